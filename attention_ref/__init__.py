@@ -1,0 +1,61 @@
+"""Reference implementations of self-attention, verified against PyTorch.
+
+Shape legend, used in every docstring and comment of this package:
+
+- ``B`` batch size
+- ``H`` number of heads
+- ``L`` query (target) sequence length
+- ``S`` key/value (source) sequence length
+- ``E`` query/key size (per head in the functional core)
+- ``Ev`` value size
+
+Mask convention: a boolean mask holds ``True`` where a query-key pair *takes part*
+in attention (the convention of ``torch.nn.functional.scaled_dot_product_attention``).
+``torch.nn.MultiheadAttention`` uses the opposite polarity for its boolean masks;
+:func:`attention_ref.masks.from_key_padding_mask` converts at the boundary.
+A float mask is added to the scores.
+
+``attention_ref.viz`` (plotting) needs the optional ``matplotlib`` extra and is
+imported on first use, so ``import attention_ref`` needs only torch and numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from attention_ref import complexity, masks
+from attention_ref.functional import attention_weights, scaled_dot_product_attention
+from attention_ref.masks import (
+    causal_mask,
+    combine_masks,
+    from_key_padding_mask,
+    padding_mask,
+    padding_mask_from_tokens,
+    to_additive,
+)
+from attention_ref.multihead import MultiHeadAttention
+
+__all__ = [
+    "MultiHeadAttention",
+    "attention_weights",
+    "causal_mask",
+    "combine_masks",
+    "complexity",
+    "from_key_padding_mask",
+    "masks",
+    "padding_mask",
+    "padding_mask_from_tokens",
+    "scaled_dot_product_attention",
+    "to_additive",
+    "viz",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # `attention_ref.viz` imports matplotlib, an optional extra: load it lazily.
+    if name == "viz":
+        return importlib.import_module("attention_ref.viz")
+    raise AttributeError(f"module 'attention_ref' has no attribute {name!r}")

@@ -1,0 +1,77 @@
+"""Checks of user input at the public boundary.
+
+Every message names the argument and gives the expected and the actual value,
+so a user sees what to change without reading a traceback from inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    """Format a shape as ``(2, 3, 5)`` (a 1-tuple as ``(5,)``)."""
+    return str(tuple(int(d) for d in shape))
+
+
+def require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def require_float_tensor(name: str, value: object, min_dims: int, layout: str) -> torch.Tensor:
+    """A floating-point tensor of at least ``min_dims`` dimensions shaped like ``layout``."""
+    tensor = require_tensor(name, value)
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {tensor.dtype}")
+    if tensor.dim() < min_dims:
+        raise ValueError(
+            f"{name} must have at least {min_dims} dims {layout}, "
+            f"got {tensor.dim()} dims with shape {fmt_shape(tensor.shape)}"
+        )
+    return tensor
+
+
+def require_same_dtype_and_device(**tensors: torch.Tensor) -> None:
+    """All tensors share the first one's dtype and device."""
+    (first_name, first), *rest = tensors.items()
+    for name, tensor in rest:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"{name} must be on the same device as {first_name} ({first.device}), "
+                f"got {tensor.device}"
+            )
+        if tensor.dtype != first.dtype:
+            raise TypeError(
+                f"{name} must have the same dtype as {first_name} ({first.dtype}), got {tensor.dtype}"
+            )
+
+
+def check_scale(scale: float | None) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a positive finite float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float or None, got {scale}")
+
+
+def check_probability(name: str, p: float) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(p).__name__}")
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
+
+
+def check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    lowest = 0 if allow_zero else 1
+    if value < lowest:
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name} must be a {kind} int, got {value}")
+    return value

@@ -1,0 +1,298 @@
+r"""The functional core: attention weights and scaled dot-product attention.
+
+Every other part of the package (multi-head attention, cross-attention, the
+plots, the docs) calls these two functions. The math, for one query row ``i``:
+
+.. math::
+
+    \mathrm{scores}_{ij} = \text{scale}\cdot q_i \cdot k_j + m_{ij}, \qquad
+    w_{ij} = \frac{e^{\mathrm{scores}_{ij}}}{\sum_{j'} e^{\mathrm{scores}_{ij'}}}, \qquad
+    \mathrm{out}_i = \sum_j w_{ij} v_j
+
+where ``m`` is 0 for pairs that take part and ``-inf`` for masked pairs (or the
+values of a float mask). Shapes use the package legend: ``B`` batch, ``H`` heads,
+``L`` query length, ``S`` key length, ``E`` query/key size, ``Ev`` value size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attention_ref._validation import (
+    check_probability,
+    check_scale,
+    fmt_shape,
+    require_float_tensor,
+    require_same_dtype_and_device,
+    require_tensor,
+)
+from attention_ref.masks import causal_mask
+
+__all__ = ["attention_weights", "scaled_dot_product_attention"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax runs in at least float32: float16/bfloat16 inputs are upcast."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _expand_kv_heads(query: torch.Tensor, kv: torch.Tensor, name: str) -> torch.Tensor:
+    """Repeat the key/value heads of grouped-query attention to match the query heads."""
+    if query.dim() < 3 or kv.dim() < 3:
+        raise ValueError(
+            f"enable_gqa=True needs query and {name} with a heads dim (..., H, L|S, E), "
+            f"got query {fmt_shape(query.shape)} and {name} {fmt_shape(kv.shape)}"
+        )
+    q_heads, kv_heads = query.shape[-3], kv.shape[-3]
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(
+            f"enable_gqa=True needs the query heads ({q_heads}) to be a multiple of the "
+            f"{name} heads, got {name} heads = {kv_heads}"
+        )
+    # (..., Hkv, S, E) -> (..., H, S, E): each key/value head serves H // Hkv query heads.
+    return kv.repeat_interleave(q_heads // kv_heads, dim=-3)
+
+
+def _check_qk(
+    query: object, key: object, value: object | None, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    """Validate query/key(/value); return them (key/value heads expanded) and the batch shape."""
+    query = require_float_tensor("query", query, 2, "(..., L, E)")
+    key = require_float_tensor("key", key, 2, "(..., S, E)")
+    tensors = {"query": query, "key": key}
+    if value is not None:
+        value = require_float_tensor("value", value, 2, "(..., S, Ev)")
+        tensors["value"] = value
+    require_same_dtype_and_device(**tensors)
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same last dim E: query {fmt_shape(query.shape)} "
+            f"has E={query.shape[-1]}, key {fmt_shape(key.shape)} has E={key.shape[-1]}"
+        )
+    if value is not None and value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length S (dim -2): key {fmt_shape(key.shape)} "
+            f"has S={key.shape[-2]}, value {fmt_shape(value.shape)} has S={value.shape[-2]}"
+        )
+    _check_bool("enable_gqa", enable_gqa)
+    if enable_gqa:
+        if value is not None and (value.dim() < 3 or value.shape[-3] != key.shape[-3]):
+            raise ValueError(
+                f"enable_gqa=True needs key and value with the same number of heads (dim -3), "
+                f"got key {fmt_shape(key.shape)} and value {fmt_shape(value.shape)}"
+            )
+        key = _expand_kv_heads(query, key, "key")
+        if value is not None:
+            value = _expand_kv_heads(query, value, "value")
+    leading = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
+    try:
+        batch = torch.broadcast_shapes(*(t.shape[:-2] for _, t in leading))
+    except RuntimeError:
+        described = ", ".join(f"{n} {fmt_shape(t.shape[:-2])}" for n, t in leading)
+        raise ValueError(f"the leading (batch) dims must broadcast together, got {described}") from None
+    return query, key, value, tuple(batch)
+
+
+def _check_mask(attn_mask: object, query: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor | None:
+    """``attn_mask`` is None, or a bool/float tensor broadcastable to ``target = (..., L, S)``."""
+    if attn_mask is None:
+        return None
+    mask = require_tensor("attn_mask", attn_mask)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask must be bool (True = takes part) or floating point (added to the "
+            f"scores), got {mask.dtype}"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"attn_mask must be on the same device as query ({query.device}), got {mask.device}")
+    try:
+        broadcast = tuple(torch.broadcast_shapes(mask.shape, target))
+    except RuntimeError:
+        broadcast = None
+    if broadcast != target:
+        raise ValueError(
+            f"attn_mask must be broadcastable to (..., L, S) = {fmt_shape(target)}, "
+            f"got shape {fmt_shape(mask.shape)}"
+        )
+    return mask
+
+
+def _masked_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Scaled scores with the masks applied, in the compute dtype: ``(..., L, S)``."""
+    compute = _compute_dtype(query.dtype)
+    # (..., L, E) @ (..., E, S) -> (..., L, S), in at least float32 so large scores cannot overflow.
+    scores = torch.matmul(query.to(compute), key.to(compute).transpose(-2, -1)) * scale
+    L, S = scores.shape[-2], scores.shape[-1]
+    allowed = causal_mask(L, S, device=scores.device) if is_causal else None  # (L, S)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        allowed = attn_mask if allowed is None else allowed & attn_mask  # broadcasts to (..., L, S)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        scores = scores + attn_mask.to(compute)  # a float mask is added to the scores
+    return scores
+
+
+def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim that gives 0 (not NaN) on rows where every score is -inf.
+
+    The row max is subtracted first (softmax is unchanged by a shift), so large
+    scores cannot overflow ``exp``. A fully masked row has max ``-inf``; it is
+    shifted by 0 instead, its exponentials are all 0 and its weights stay 0.
+    Gradients stay finite: the max is a constant shift (detached) and the
+    denominator of an empty row is replaced by 1 before dividing.
+    """
+    if scores.shape[-1] == 0:  # S = 0: every row is fully masked, nothing to normalise
+        return scores
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exp = torch.exp(scores - row_max)  # (..., L, S), every entry in [0, 1]
+    denom = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
+    return exp / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _prepare(
+    query: object,
+    key: object,
+    value: object | None,
+    attn_mask: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
+    """Validate every argument; return (query, key, value, mask, scale) ready for the math."""
+    _check_bool("is_causal", is_causal)
+    check_scale(scale)  # type: ignore[arg-type]
+    query, key, value, batch = _check_qk(query, key, value, enable_gqa)  # type: ignore[arg-type]
+    L, S = query.shape[-2], key.shape[-2]
+    mask = _check_mask(attn_mask, query, (*batch, L, S))
+    resolved = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)  # type: ignore[arg-type]
+    return query, key, value, mask, resolved
+
+
+def attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    r"""Attention weights ``softmax(scale * query @ key^T + mask)``.
+
+    Args:
+        query: ``(..., L, E)``.
+        key: ``(..., S, E)``; leading dims broadcast with ``query``'s.
+        attn_mask: bool ``True`` = the pair takes part (the opposite of
+            ``torch.nn.MultiheadAttention``), or float, added to the scores;
+            broadcastable to ``(..., L, S)``.
+        is_causal: keep key ``j`` for query ``i`` only when ``j <= i`` (top-left
+            aligned, as ``torch.nn.functional.scaled_dot_product_attention``);
+            combined with ``attn_mask`` when both are given.
+        scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
+        enable_gqa: grouped-query attention: ``key`` has ``(..., Hkv, S, E)`` with
+            ``H`` (query heads) a multiple of ``Hkv``.
+
+    Returns:
+        ``(..., L, S)`` weights in ``query``'s dtype, computed in at least float32.
+        Each row sums to 1, except a row where no key takes part: it is all 0.
+
+    Raises:
+        ValueError: shapes that do not fit, a non-positive or non-finite scale,
+            tensors on different devices.
+        TypeError: non-float inputs, inputs of different dtypes, an integer mask.
+
+    Example:
+        >>> import torch
+        >>> from attention_ref import attention_weights
+        >>> q = torch.tensor([[0.0, 2.0 ** 0.5]])
+        >>> w = attention_weights(q, torch.eye(2))
+        >>> torch.allclose(w, torch.tensor([[1.0, torch.e]]) / (1 + torch.e))
+        True
+    """
+    query, key, _, mask, resolved = _prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
+    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved))
+    return weights.to(query.dtype)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    r"""Scaled dot-product attention, equal to ``torch.nn.functional.scaled_dot_product_attention``.
+
+    .. math::
+
+        \mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{E}} + M\right) V
+
+    Args:
+        query: ``(..., L, E)``.
+        key: ``(..., S, E)``.
+        value: ``(..., S, Ev)``. Leading dims of the three broadcast together.
+        attn_mask: bool ``True`` = the pair takes part (the opposite of
+            ``torch.nn.MultiheadAttention``), or float, added to the scores;
+            broadcastable to ``(..., L, S)``.
+        is_causal: top-left aligned causal mask (key ``j`` allowed for query
+            ``i`` when ``j <= i``), applied together with ``attn_mask``.
+        scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
+        dropout_p: dropout probability on the weights, in ``[0, 1)``. Like
+            PyTorch's functional form it applies whenever it is > 0, also at
+            evaluation: pass 0 there.
+        enable_gqa: grouped-query attention (``H`` query heads, a multiple of
+            the ``Hkv`` key/value heads at dim -3).
+        return_weights: also return the weights the output was computed from
+            (after dropout).
+
+    Returns:
+        ``(..., L, Ev)`` in ``query``'s dtype, or ``(output, weights)`` with
+        weights ``(..., L, S)``. A query row with no key taking part gives
+        output 0 and weights 0 (with finite gradients), as PyTorch >= 2.5 does.
+
+    Raises:
+        ValueError: shapes that do not fit, a bad scale or dropout_p, tensors on
+            different devices.
+        TypeError: non-float inputs, inputs of different dtypes, an integer mask.
+
+    Example:
+        >>> import torch
+        >>> from attention_ref import scaled_dot_product_attention
+        >>> q, k, v = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 4)
+        >>> scaled_dot_product_attention(q, k, v).shape
+        torch.Size([2, 3, 4])
+    """
+    check_probability("dropout_p", dropout_p)
+    _check_bool("return_weights", return_weights)
+    if value is None:
+        raise TypeError("value must be a torch.Tensor, got NoneType")
+    query, key, value, mask, resolved = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved))  # (..., L, S)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p, training=True)
+    # (..., L, S) @ (..., S, Ev) -> (..., L, Ev)
+    output = torch.matmul(weights, value.to(weights.dtype)).to(query.dtype)
+    if return_weights:
+        return output, weights.to(query.dtype)
+    return output

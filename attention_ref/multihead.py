@@ -1,0 +1,221 @@
+r"""Multi-head attention (self and cross), a thin module over the functional core.
+
+.. math::
+
+    \mathrm{head}_h = \mathrm{Attention}(X_q W^Q_h,\; X_k W^K_h,\; X_v W^V_h), \qquad
+    \mathrm{MHA}(X_q, X_k, X_v) = [\mathrm{head}_1, \dots, \mathrm{head}_H]\, W^O
+
+Shapes: ``B`` batch, ``H`` heads, ``L`` query length, ``S`` key length;
+``D = embed_dim / H`` is the per-head size (``E`` and ``Ev`` of the core).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention_ref._validation import check_positive_int, check_probability, fmt_shape
+from attention_ref.functional import scaled_dot_product_attention
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Batch-first multi-head attention, equal to ``torch.nn.MultiheadAttention``.
+
+    Self-attention when ``key`` is ``None``; cross-attention when ``key`` and
+    ``value`` come from another sequence (``S != L``, ``kdim``/``vdim`` may
+    differ from ``embed_dim``). With ``num_kv_heads < num_heads`` it is
+    grouped-query attention (``num_kv_heads=1``: multi-query attention).
+
+    Args:
+        embed_dim: model width; the query input size and the output size.
+        num_heads: ``H``; must divide ``embed_dim``.
+        kdim: key input size; defaults to ``embed_dim``.
+        vdim: value input size; defaults to ``embed_dim``.
+        num_kv_heads: key/value heads; must divide ``num_heads``. Defaults to ``num_heads``.
+        bias: add biases to the four projections.
+        dropout: dropout probability on the weights, in training mode only.
+        device: where to create the parameters.
+        dtype: dtype of the parameters.
+
+    Attributes:
+        q_proj, k_proj, v_proj, out_proj: the ``nn.Linear`` projections.
+
+    Raises:
+        ValueError: ``embed_dim`` not divisible by ``num_heads``, ``num_heads``
+            not divisible by ``num_kv_heads``, dropout outside ``[0, 1)``.
+
+    Example:
+        >>> import torch
+        >>> from attention_ref import MultiHeadAttention
+        >>> mha = MultiHeadAttention(16, 4)
+        >>> x = torch.randn(2, 5, 16)
+        >>> out, w = mha(x, return_weights=True)
+        >>> out.shape, w.shape
+        (torch.Size([2, 5, 16]), torch.Size([2, 5, 5]))
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("num_heads", num_heads)
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim}, "
+                f"num_heads={num_heads}"
+            )
+        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads must be divisible by num_kv_heads, got num_heads={num_heads}, "
+                f"num_kv_heads={num_kv_heads}"
+            )
+        kdim = embed_dim if kdim is None else check_positive_int("kdim", kdim)
+        vdim = embed_dim if vdim is None else check_positive_int("vdim", vdim)
+        check_probability("dropout", dropout)
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.kdim, self.vdim, self.dropout = kdim, vdim, float(dropout)
+        self.head_dim = embed_dim // num_heads
+        kv_width = num_kv_heads * self.head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, kv_width, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, kv_width, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"kdim={self.kdim}, vdim={self.vdim}, dropout={self.dropout}"
+        )
+
+    def _check_input(self, name: str, x: object, width: int) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != width:
+            raise ValueError(f"{name} must have shape (B, seq, {width}), got {fmt_shape(x.shape)}")
+        return x
+
+    def _split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, heads * D) -> (B, T, heads, D) -> (B, heads, T, D)
+        return x.view(B, T, heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        *,
+        is_causal: bool = False,
+        return_weights: bool = False,
+        average_weights: bool = True,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+            query: ``(B, L, embed_dim)``.
+            key: ``(B, S, kdim)``; ``None`` means ``query`` (self-attention).
+            value: ``(B, S, vdim)``; ``None`` means ``key``.
+            attn_mask: bool ``True`` = takes part (the opposite of
+                ``torch.nn.MultiheadAttention``; see
+                :func:`attention_ref.masks.from_key_padding_mask`) or float,
+                broadcastable to ``(B, H, L, S)``.
+            is_causal: top-left aligned causal mask, combined with ``attn_mask``.
+            return_weights: also return the attention weights.
+            average_weights: average the weights over heads.
+
+        Returns:
+            ``(B, L, embed_dim)``, or ``(output, weights)`` with weights
+            ``(B, L, S)`` (averaged) or ``(B, H, L, S)`` (per head).
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        query = self._check_input("query", query, self.embed_dim)
+        key = self._check_input("key", key, self.kdim)
+        value = self._check_input("value", value, self.vdim)
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"query (B, L, _), key and value (B, S, _) must share B, and key and value S: "
+                f"got query {fmt_shape(query.shape)}, key {fmt_shape(key.shape)}, value {fmt_shape(value.shape)}"
+            )
+        B, L, _ = query.shape
+        q = self._split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
+        k = self._split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, S, D)
+        v = self._split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, S, D)
+        out, weights = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            return_weights=True,
+        )  # (B, H, L, D), (B, H, L, S)
+        out = out.transpose(1, 2).reshape(B, L, self.embed_dim)  # (B, H, L, D) -> (B, L, H * D)
+        out = self.out_proj(out)  # (B, L, embed_dim)
+        if not return_weights:
+            return out
+        return out, weights.mean(dim=1) if average_weights else weights  # (B, L, S) or (B, H, L, S)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Copy a ``torch.nn.MultiheadAttention`` into this class.
+
+        Handles fused (``in_proj_weight``) and separate (``q/k/v_proj_weight``)
+        in-projections, bias on or off, ``kdim``/``vdim``, and dropout. The copy is
+        always batch first: for a source built with ``batch_first=False``, pass
+        ``x.transpose(0, 1)``. Boolean masks must be converted, since PyTorch's are
+        ``True`` = ignore: use :func:`attention_ref.masks.from_key_padding_mask`
+        and ``~attn_mask``.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.MultiheadAttention``.
+            ValueError: ``add_bias_kv=True`` or ``add_zero_attn=True`` (not supported).
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("from_torch does not support add_bias_kv=True or add_zero_attn=True")
+        E = module.embed_dim
+        ref = module.out_proj.weight
+        copy = cls(
+            E,
+            module.num_heads,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=module.in_proj_bias is not None,
+            dropout=module.dropout,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            if module._qkv_same_embed_dim:
+                w_q, w_k, w_v = module.in_proj_weight.chunk(3, dim=0)  # (3E, E) -> 3 x (E, E)
+            else:
+                w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+            for proj, w in ((copy.q_proj, w_q), (copy.k_proj, w_k), (copy.v_proj, w_v)):
+                proj.weight.copy_(w)
+            if module.in_proj_bias is not None:
+                for proj, b in zip((copy.q_proj, copy.k_proj, copy.v_proj), module.in_proj_bias.chunk(3)):
+                    proj.bias.copy_(b)
+            copy.out_proj.weight.copy_(module.out_proj.weight)
+            if module.out_proj.bias is not None:
+                copy.out_proj.bias.copy_(module.out_proj.bias)
+        copy.train(module.training)
+        return copy
