@@ -124,6 +124,14 @@ def parameter_count(embed_dim: int, *, kdim: int | None = None, vdim: int | None
     kdim = embed_dim if kdim is None else kdim
     vdim = embed_dim if vdim is None else vdim
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    check_positive_int("kdim", kdim)
+    check_positive_int("vdim", vdim)
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if embed_dim % num_heads or num_heads % num_kv_heads:
+        raise ValueError(
+            f"embed_dim must be divisible by num_heads and num_heads by num_kv_heads, got "
+            f"embed_dim={embed_dim}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
     kv = num_kv_heads * (embed_dim // num_heads)
     weights = embed_dim * embed_dim * 2 + kdim * kv + vdim * kv
     biases = (2 * embed_dim + 2 * kv) if bias else 0

@@ -97,7 +97,10 @@ def _check_qk(
         batch = torch.broadcast_shapes(*(t.shape[:-2] for _, t in leading))
     except RuntimeError:
         described = ", ".join(f"{n} {fmt_shape(t.shape[:-2])}" for n, t in leading)
-        raise ValueError(f"the leading (batch) dims must broadcast together, got {described}") from None
+        hint = ""
+        if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
+            hint = " (for grouped-query attention with fewer key/value heads, pass enable_gqa=True)"
+        raise ValueError(f"the leading (batch) dims must broadcast together, got {described}{hint}") from None
     return query, key, value, tuple(batch)
 
 

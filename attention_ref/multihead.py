@@ -107,6 +107,11 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != width:
             raise ValueError(f"{name} must have shape (B, seq, {width}), got {fmt_shape(x.shape)}")
+        weight = self.q_proj.weight
+        if x.device != weight.device:
+            raise ValueError(f"{name} must be on the module's device ({weight.device}), got {x.device}")
+        if x.dtype != weight.dtype:
+            raise TypeError(f"{name} must have the module's dtype ({weight.dtype}), got {x.dtype}")
         return x
 
     def _split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:

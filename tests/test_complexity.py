@@ -1,0 +1,140 @@
+"""The cost formulas against what PyTorch counts and what the modules hold.
+
+FLOPs are compared with ``torch.utils.flop_counter.FlopCounterMode`` running
+attention_ref's reference path. FlopCounterMode counts matrix products only
+(2 per multiply-add) and counts ``addmm`` (a Linear with bias) as its product,
+so biases add no FLOPs in either; softmax and masking are not counted by either.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from attention_ref import MultiHeadAttention, attention_weights, causal_mask, scaled_dot_product_attention
+from attention_ref.complexity import (
+    attention_flops,
+    attention_memory_bytes,
+    causal_pairs,
+    layer_flops,
+    parameter_count,
+    projection_flops,
+)
+
+
+def _count(fn, *args, **kwargs) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+SIZES = [(1, 1, 5, 5, 3, 3), (2, 3, 5, 7, 11, 13), (3, 2, 7, 5, 13, 3), (2, 5, 1, 11, 7, 2)]
+
+
+@pytest.mark.parametrize("B,H,L,S,E,Ev", SIZES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_flops_equal_flop_counter(B, H, L, S, E, Ev, is_causal, generator):
+    q, k, v = torch.randn(B, H, L, E, generator=generator), torch.randn(B, H, S, E, generator=generator), torch.randn(B, H, S, Ev, generator=generator)
+    counted = _count(scaled_dot_product_attention, q, k, v, is_causal=is_causal)
+    # The reference path computes every (query, key) pair even under a causal mask.
+    assert counted == attention_flops(B, H, L, S, E, Ev)
+    assert _count(attention_weights, q, k) == attention_flops(B, H, L, S, E, 0)
+
+
+@pytest.mark.parametrize("L,S", [(5, 5), (5, 7), (7, 5), (1, 3)])
+def test_causal_attention_flops_equal_the_kept_pairs_only(L, S, generator):
+    # A computation that skips masked pairs: query row i uses keys 0..i only.
+    B, H, E, Ev = 2, 3, 11, 13
+    q, k, v = torch.randn(B, H, L, E, generator=generator), torch.randn(B, H, S, E, generator=generator), torch.randn(B, H, S, Ev, generator=generator)
+
+    def row_by_row():
+        for i in range(L):
+            n = min(i + 1, S)
+            w = torch.softmax(q[..., i : i + 1, :] @ k[..., :n, :].transpose(-2, -1), dim=-1)  # (B, H, 1, n)
+            w @ v[..., :n, :]  # (B, H, 1, n) @ (B, H, n, Ev)
+
+    assert _count(row_by_row) == attention_flops(B, H, L, S, E, Ev, causal=True)
+
+
+@pytest.mark.parametrize("L,S", [(0, 0), (0, 3), (3, 0), (1, 1), (5, 5), (5, 7), (7, 5), (13, 2)])
+def test_causal_pairs_equal_the_causal_mask_sum(L, S):
+    assert causal_pairs(L, S) == int(causal_mask(L, S).sum())
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"kind": "self", "bias": False},
+        {"kind": "self", "bias": True},
+        {"kind": "cross", "bias": False, "kdim": 13, "vdim": 11},
+        {"kind": "cross", "bias": True, "kdim": 13, "vdim": 11},
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_layer_flops_equal_flop_counter(config, generator):
+    B, H, L, S, embed = 2, 3, 5, 7, 15
+    kdim, vdim = config.get("kdim"), config.get("vdim")
+    mha = MultiHeadAttention(embed, H, kdim=kdim, vdim=vdim, bias=config["bias"])
+    x = torch.randn(B, L, embed, generator=generator)
+    if config["kind"] == "self":
+        counted = _count(mha, x)
+        assert counted == layer_flops(B, H, L, L, embed)
+    else:
+        y = torch.randn(B, S, kdim, generator=generator)
+        z = torch.randn(B, S, vdim, generator=generator)
+        counted = _count(mha, x, y, z)
+        assert counted == layer_flops(B, H, L, S, embed, kdim=kdim, vdim=vdim)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 3])
+def test_grouped_query_layer_flops(num_kv_heads, generator):
+    B, H, L, S, embed, kdim = 2, 6, 5, 7, 30, 13
+    mha = MultiHeadAttention(embed, H, num_kv_heads=num_kv_heads, kdim=kdim, vdim=kdim)
+    x, y = torch.randn(B, L, embed, generator=generator), torch.randn(B, S, kdim, generator=generator)
+    D = embed // H
+    expected = projection_flops(B, L, S, embed, kdim, kdim, num_kv_heads * D) + attention_flops(B, H, L, S, D, D)
+    assert _count(mha, x, y) == expected
+
+
+def test_flops_grow_as_n_squared_for_long_sequences():
+    short, long_ = layer_flops(1, 4, 1024, 1024, 64), layer_flops(1, 4, 4096, 4096, 64)
+    assert attention_flops(1, 4, 2048, 2048, 16, 16) == 4 * attention_flops(1, 4, 1024, 1024, 16, 16)
+    assert long_ > 4 * short
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"bias": False},
+        {"kdim": 13, "vdim": 11},
+        {"kdim": 13, "vdim": 11, "bias": False},
+        {"num_kv_heads": 1},
+        {"num_kv_heads": 3, "kdim": 7},
+    ],
+    ids=str,
+)
+def test_parameter_count_equals_our_module(kwargs):
+    mha = MultiHeadAttention(30, 6, **kwargs)
+    assert parameter_count(30, num_heads=6, **kwargs) == sum(p.numel() for p in mha.parameters())
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bias": False}, {"kdim": 13, "vdim": 11}, {"kdim": 13, "vdim": 11, "bias": False}], ids=str)
+def test_parameter_count_equals_torch_module(kwargs):
+    module = nn.MultiheadAttention(30, 6, **kwargs)
+    assert parameter_count(30, num_heads=6, **kwargs) == sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_attention_memory_bytes_equal_the_tensors(dtype, generator):
+    B, H, L, S, E, Ev = 2, 3, 5, 7, 11, 13
+    q, k, v = (torch.randn(B, H, n, d, generator=generator).to(dtype) for n, d in ((L, E), (S, E), (S, Ev)))
+    out, w = scaled_dot_product_attention(q, k, v, return_weights=True)
+    size = torch.empty((), dtype=dtype).element_size()
+    memory = attention_memory_bytes(B, H, L, S, E, Ev, bytes_per_element=size)
+    assert memory["weights"] == w.numel() * w.element_size()
+    assert memory["output"] == out.numel() * out.element_size()
+    assert memory["inputs"] == sum(t.numel() * t.element_size() for t in (q, k, v))
+    assert attention_memory_bytes(B, H, L, S, E, Ev, bytes_per_element=size, materialize_weights=False)["weights"] == 0

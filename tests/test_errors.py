@@ -1,0 +1,320 @@
+"""Bad input: every case raises ValueError or TypeError naming the argument, the expected and the actual value.
+
+``_msg("a", "b")`` builds a regex that needs the literal pieces in that order.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from attention_ref import (
+    MultiHeadAttention,
+    attention_weights,
+    causal_mask,
+    combine_masks,
+    from_key_padding_mask,
+    padding_mask,
+    padding_mask_from_tokens,
+    scaled_dot_product_attention,
+    to_additive,
+)
+from attention_ref import complexity
+
+L, S, E, EV = 5, 7, 11, 13
+
+
+def _msg(*parts: str) -> str:
+    return ".*".join(re.escape(p) for p in parts)
+
+
+def _qkv(dtype=torch.float32):
+    return torch.zeros(L, E, dtype=dtype), torch.zeros(S, E, dtype=dtype), torch.zeros(S, EV, dtype=dtype)
+
+
+# --- shapes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "which,bad,layout",
+    [("query", (E,), "(..., L, E)"), ("key", (E,), "(..., S, E)"), ("value", (EV,), "(..., S, Ev)"), ("query", (), "(..., L, E)")],
+)
+def test_fewer_than_two_dims(which, bad, layout):
+    q, k, v = _qkv()
+    args = {"query": q, "key": k, "value": v}
+    args[which] = torch.zeros(bad)
+    with pytest.raises(ValueError, match=_msg(which, "at least 2 dims", layout, f"got {len(bad)} dims", str(tuple(bad)))):
+        scaled_dot_product_attention(**args)
+
+
+def test_query_and_key_with_different_E():
+    q, _, v = _qkv()
+    with pytest.raises(ValueError, match=_msg("query and key", "last dim E", "(5, 11)", "E=11", "(7, 3)", "E=3")):
+        scaled_dot_product_attention(q, torch.zeros(S, 3), v)
+    with pytest.raises(ValueError, match=_msg("E=11", "E=3")):
+        attention_weights(q, torch.zeros(S, 3))
+
+
+def test_key_and_value_with_different_S():
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=_msg("key and value", "length S", "(7, 11)", "S=7", "(3, 13)", "S=3")):
+        scaled_dot_product_attention(q, k, torch.zeros(3, EV))
+
+
+def test_leading_dims_not_broadcastable():
+    with pytest.raises(ValueError, match=_msg("leading (batch) dims", "broadcast", "query (2,)", "key (3,)", "value (3,)")):
+        scaled_dot_product_attention(torch.zeros(2, L, E), torch.zeros(3, S, E), torch.zeros(3, S, EV))
+    with pytest.raises(ValueError, match=_msg("query (2, 3)", "key (3, 2)")):
+        attention_weights(torch.zeros(2, 3, L, E), torch.zeros(3, 2, S, E))
+
+
+@pytest.mark.parametrize("shape", [(L, S + 1), (L + 1, S), (3, L, S), (3, 1, S), (1, 2, L, S)])
+def test_mask_not_broadcastable(shape):
+    q, k, v = torch.zeros(2, L, E), torch.zeros(2, S, E), torch.zeros(2, S, EV)
+    for mask in (torch.ones(shape, dtype=torch.bool), torch.zeros(shape)):
+        with pytest.raises(ValueError, match=_msg("attn_mask", "broadcastable to (..., L, S) = (2, 5, 7)", f"got shape {shape}")):
+            scaled_dot_product_attention(q, k, v, mask)
+        with pytest.raises(ValueError, match=_msg("attn_mask", "(2, 5, 7)", str(shape))):
+            attention_weights(q, k, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_integer_mask(dtype):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=_msg("attn_mask", "bool", "floating point", f"got {dtype}")):
+        scaled_dot_product_attention(q, k, v, torch.ones(L, S, dtype=dtype))
+
+
+def test_gqa_heads_not_a_multiple():
+    q, k, v = torch.zeros(6, L, E), torch.zeros(4, S, E), torch.zeros(4, S, EV)
+    with pytest.raises(ValueError, match=_msg("enable_gqa=True", "query heads (6)", "multiple", "key heads = 4")):
+        scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match=_msg("enable_gqa=True", "same number of heads", "key (4, 7, 11)", "value (3, 7, 13)")):
+        scaled_dot_product_attention(q, k, torch.zeros(3, S, EV), enable_gqa=True)
+    with pytest.raises(ValueError, match=_msg("enable_gqa=True", "heads dim", "query (5, 11)")):
+        attention_weights(torch.zeros(L, E), torch.zeros(S, E), enable_gqa=True)
+
+
+# --- values ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
+def test_bad_scale(scale):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=_msg("scale", "positive finite", f"got {scale}")):
+        scaled_dot_product_attention(q, k, v, scale=scale)
+    with pytest.raises(ValueError, match=_msg("scale", f"got {scale}")):
+        attention_weights(q, k, scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.5", True, torch.tensor(0.5)])
+def test_scale_of_wrong_type(scale):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=_msg("scale", "positive finite float or None", f"got {type(scale).__name__}")):
+        scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])
+def test_dropout_outside_unit_interval(p):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=_msg("dropout_p", "[0, 1)", f"got {p}")):
+        scaled_dot_product_attention(q, k, v, dropout_p=p)
+    with pytest.raises(ValueError, match=_msg("dropout", "[0, 1)", f"got {p}")):
+        MultiHeadAttention(15, 3, dropout=p)
+
+
+@pytest.mark.parametrize("name", ["is_causal", "enable_gqa", "return_weights"])
+def test_flags_must_be_bool(name):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=_msg(name, "must be a bool", "got int")):
+        scaled_dot_product_attention(q, k, v, **{name: 1})
+
+
+# --- dtypes and devices ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_different_float_dtypes(which):
+    q, k, v = _qkv(torch.float32)
+    args = {"query": q, "key": k, "value": v}
+    args[which] = args[which].double()
+    with pytest.raises(TypeError, match=_msg(which, "same dtype as query (torch.float32)", "got torch.float64")):
+        scaled_dot_product_attention(**args)
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_non_float_tensors(which, dtype):
+    q, k, v = _qkv()
+    args = {"query": q, "key": k, "value": v}
+    args[which] = args[which].to(dtype)
+    with pytest.raises(TypeError, match=_msg(which, "floating-point dtype", f"got {dtype}")):
+        scaled_dot_product_attention(**args)
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_not_a_tensor(which):
+    q, k, v = _qkv()
+    args = {"query": q, "key": k, "value": v}
+    args[which] = args[which].tolist()
+    with pytest.raises(TypeError, match=_msg(which, "must be a torch.Tensor", "got list")):
+        scaled_dot_product_attention(**args)
+    with pytest.raises(TypeError, match=_msg("value", "torch.Tensor", "got NoneType")):
+        scaled_dot_product_attention(q, k, None)
+
+
+@pytest.mark.parametrize("which", ["key", "value", "attn_mask"])
+def test_different_devices(which):
+    # 'meta' is a second device even on a CPU-only machine. Our check must fire first:
+    # torch itself would fail later with its own, differently worded error.
+    q, k, v = _qkv()
+    args = {"query": q, "key": k, "value": v, "attn_mask": torch.ones(L, S, dtype=torch.bool)}
+    args[which] = args[which].to("meta")
+    with pytest.raises(ValueError, match=_msg(which, "same device as query (cpu)", "got meta")):
+        scaled_dot_product_attention(**args)
+
+
+def test_device_mismatch_on_query_side():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=_msg("key", "same device as query (meta)", "got cpu")):
+        attention_weights(q.to("meta"), k)
+
+
+# --- masks module ------------------------------------------------------------------------------
+
+
+def test_bad_causal_mask_alignment_and_lengths():
+    with pytest.raises(ValueError, match=_msg("alignment", "('top_left', 'bottom_right')", "got 'left'")):
+        causal_mask(3, 5, alignment="left")
+    with pytest.raises(ValueError, match=_msg("L", "non-negative", "got -1")):
+        causal_mask(-1)
+    with pytest.raises(ValueError, match=_msg("S", "non-negative", "got -2")):
+        causal_mask(3, -2)
+    with pytest.raises(TypeError, match=_msg("L", "int", "got float")):
+        causal_mask(3.0)
+
+
+def test_bad_padding_mask_lengths():
+    with pytest.raises(ValueError, match=_msg("lengths", "[0, S] = [0, 5]", "from 2 to 6")):
+        padding_mask(torch.tensor([2, 6]), 5)
+    with pytest.raises(ValueError, match=_msg("lengths", "[0, S] = [0, 5]", "from -1 to 3")):
+        padding_mask(torch.tensor([-1, 3]), 5)
+    with pytest.raises(ValueError, match=_msg("lengths", "1-D (B,)", "(2, 1)")):
+        padding_mask(torch.tensor([[2], [3]]), 5)
+    with pytest.raises(TypeError, match=_msg("lengths", "integer tensor", "torch.float32")):
+        padding_mask(torch.tensor([2.0]), 5)
+    with pytest.raises(TypeError, match=_msg("lengths", "torch.Tensor", "list")):
+        padding_mask([2, 3], 5)
+    with pytest.raises(ValueError, match=_msg("S", "non-negative", "got -5")):
+        padding_mask(torch.tensor([2]), -5)
+
+
+def test_bad_padding_mask_from_tokens():
+    with pytest.raises(ValueError, match=_msg("tokens", "2-D (B, S)", "(5,)")):
+        padding_mask_from_tokens(torch.tensor([1, 2, 0, 0, 0]), 0)
+    with pytest.raises(TypeError, match=_msg("pad_id", "int", "got float")):
+        padding_mask_from_tokens(torch.tensor([[1, 0]]), 0.0)
+
+
+def test_bad_to_additive_combine_and_key_padding_mask():
+    with pytest.raises(TypeError, match=_msg("mask", "bool", "floating point", "torch.int64")):
+        to_additive(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match=_msg("dtype", "floating-point", "torch.int32")):
+        to_additive(torch.ones(3, dtype=torch.bool), torch.int32)
+    with pytest.raises(TypeError, match=_msg("masks[1]", "bool", "torch.int64")):
+        combine_masks(causal_mask(3), torch.ones(3, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=_msg("masks must broadcast", "(3, 3)", "(3, 5)")):
+        combine_masks(causal_mask(3), causal_mask(3, 5))
+    with pytest.raises(ValueError, match=_msg("key_padding_mask", "2-D (B, S)", "(2, 1, 7)")):
+        from_key_padding_mask(torch.zeros(2, 1, 7, dtype=torch.bool))
+    with pytest.raises(TypeError, match=_msg("key_padding_mask", "bool", "floating point", "torch.int64")):
+        from_key_padding_mask(torch.zeros(2, 7, dtype=torch.int64))
+
+
+# --- MultiHeadAttention --------------------------------------------------------------------------
+
+
+def test_embed_dim_not_divisible_by_num_heads():
+    with pytest.raises(ValueError, match=_msg("embed_dim must be divisible by num_heads", "embed_dim=15", "num_heads=4")):
+        MultiHeadAttention(15, 4)
+
+
+def test_num_heads_not_divisible_by_num_kv_heads():
+    with pytest.raises(ValueError, match=_msg("num_heads must be divisible by num_kv_heads", "num_heads=6", "num_kv_heads=4")):
+        MultiHeadAttention(30, 6, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("name,value", [("embed_dim", 0), ("num_heads", -3), ("kdim", 0), ("vdim", -1), ("num_kv_heads", 0)])
+def test_non_positive_sizes(name, value):
+    args = {"embed_dim": 15, "num_heads": 3, name: value}
+    with pytest.raises(ValueError, match=_msg(name, "positive int", f"got {value}")):
+        MultiHeadAttention(args.pop("embed_dim"), args.pop("num_heads"), **args)
+
+
+def test_multihead_inputs_of_the_wrong_width():
+    mha = MultiHeadAttention(15, 3, kdim=13, vdim=11)
+    x, y, z = torch.zeros(2, L, 15), torch.zeros(2, S, 13), torch.zeros(2, S, 11)
+    with pytest.raises(ValueError, match=_msg("query", "(B, seq, 15)", "got (2, 5, 13)")):
+        mha(torch.zeros(2, L, 13), y, z)
+    with pytest.raises(ValueError, match=_msg("key", "(B, seq, 13)", "got (2, 7, 15)")):
+        mha(x, torch.zeros(2, S, 15), z)
+    with pytest.raises(ValueError, match=_msg("value", "(B, seq, 11)", "got (2, 7, 13)")):
+        mha(x, y, torch.zeros(2, S, 13))
+    with pytest.raises(ValueError, match=_msg("key", "(B, seq, 13)", "got (2, 5, 15)")):
+        mha(x)  # self-attention needs kdim == embed_dim
+    with pytest.raises(ValueError, match=_msg("query", "(B, seq, 15)", "got (5, 15)")):
+        mha(torch.zeros(L, 15), y, z)  # unbatched input is not supported: batch first, 3-D
+    with pytest.raises(TypeError, match=_msg("query", "torch.Tensor", "got list")):
+        mha([[0.0] * 15], y, z)
+
+
+def test_multihead_batch_and_length_mismatch():
+    mha = MultiHeadAttention(15, 3)
+    x = torch.zeros(2, L, 15)
+    with pytest.raises(ValueError, match=_msg("must share B", "query (2, 5, 15)", "key (3, 7, 15)")):
+        mha(x, torch.zeros(3, S, 15), torch.zeros(3, S, 15))
+    with pytest.raises(ValueError, match=_msg("key (2, 7, 15)", "value (2, 5, 15)")):
+        mha(x, torch.zeros(2, S, 15), torch.zeros(2, L, 15))
+    with pytest.raises(ValueError, match=_msg("attn_mask", "(2, 3, 5, 5)", "got shape (5, 7)")):
+        mha(x, attn_mask=causal_mask(L, S))
+
+
+def test_multihead_dtype_and_device_mismatch():
+    mha = MultiHeadAttention(15, 3)
+    x = torch.zeros(2, L, 15)
+    with pytest.raises(TypeError, match=_msg("query", "module's dtype (torch.float32)", "got torch.float64")):
+        mha(x.double())
+    with pytest.raises(TypeError, match=_msg("value", "module's dtype (torch.float32)", "got torch.float16")):
+        mha(x, x, x.half())
+    with pytest.raises(ValueError, match=_msg("key", "module's device (cpu)", "got meta")):
+        mha(x, x.to("meta"), x)
+
+
+def test_from_torch_rejects_what_it_cannot_copy():
+    with pytest.raises(TypeError, match=_msg("module", "torch.nn.MultiheadAttention", "got Linear")):
+        MultiHeadAttention.from_torch(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match=_msg("add_bias_kv=True")):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(15, 3, add_bias_kv=True))
+    with pytest.raises(ValueError, match=_msg("add_zero_attn=True")):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(15, 3, add_zero_attn=True))
+
+
+# --- complexity --------------------------------------------------------------------------------
+
+
+def test_complexity_rejects_negative_sizes():
+    with pytest.raises(ValueError, match=_msg("L", "non-negative", "got -1")):
+        complexity.attention_flops(1, 1, -1, 3, 4, 4)
+    with pytest.raises(ValueError, match=_msg("embed_dim must be divisible by H", "embed_dim=15", "H=4")):
+        complexity.layer_flops(1, 4, 3, 3, 15)
+    with pytest.raises(TypeError, match=_msg("L", "int", "got float")):
+        complexity.causal_pairs(2.0, 3)
+    with pytest.raises(ValueError, match=_msg("embed_dim=15", "num_heads=4", "num_kv_heads=4")):
+        complexity.parameter_count(15, num_heads=4)
+    with pytest.raises(ValueError, match=_msg("embed_dim=30", "num_heads=6", "num_kv_heads=4")):
+        complexity.parameter_count(30, num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match=_msg("kdim", "positive int", "got 0")):
+        complexity.parameter_count(30, kdim=0)
