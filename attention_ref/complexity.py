@@ -95,7 +95,7 @@ def layer_flops(B: int, H: int, L: int, S: int, embed_dim: int, *, kdim: int | N
 
     Example:
         >>> layer_flops(B=1, H=2, L=3, S=3, embed_dim=4)
-        480
+        528
     """
     check_positive_int("H", H)
     if embed_dim % H:

@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attention_ref import backends as _backends
 from attention_ref._validation import (
     check_probability,
     check_scale,
@@ -44,8 +45,8 @@ def _check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _expand_kv_heads(query: torch.Tensor, kv: torch.Tensor, name: str) -> torch.Tensor:
-    """Repeat the key/value heads of grouped-query attention to match the query heads."""
+def _kv_group(query: torch.Tensor, kv: torch.Tensor, name: str) -> int:
+    """Check the heads of grouped-query attention; return how many query heads share a kv head."""
     if query.dim() < 3 or kv.dim() < 3:
         raise ValueError(
             f"enable_gqa=True needs query and {name} with a heads dim (..., H, L|S, E), "
@@ -57,14 +58,24 @@ def _expand_kv_heads(query: torch.Tensor, kv: torch.Tensor, name: str) -> torch.
             f"enable_gqa=True needs the query heads ({q_heads}) to be a multiple of the "
             f"{name} heads, got {name} heads = {kv_heads}"
         )
+    return q_heads // kv_heads
+
+
+def _expand_kv_heads(query: torch.Tensor, kv: torch.Tensor, name: str) -> torch.Tensor:
+    """Repeat the key/value heads of grouped-query attention to match the query heads."""
     # (..., Hkv, S, E) -> (..., H, S, E): each key/value head serves H // Hkv query heads.
-    return kv.repeat_interleave(q_heads // kv_heads, dim=-3)
+    return kv.repeat_interleave(_kv_group(query, kv, name), dim=-3)
 
 
 def _check_qk(
-    query: object, key: object, value: object | None, enable_gqa: bool
+    query: object, key: object, value: object | None, enable_gqa: bool, expand_gqa: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
-    """Validate query/key(/value); return them (key/value heads expanded) and the batch shape."""
+    """Validate query/key(/value); return them and the batch shape.
+
+    With ``enable_gqa``, the key/value heads are expanded to the query heads
+    unless ``expand_gqa=False`` (the fused backends take the grouped heads as
+    they are); the batch shape is that of the expanded heads either way.
+    """
     query = require_float_tensor("query", query, 2, "(..., L, E)")
     key = require_float_tensor("key", key, 2, "(..., S, E)")
     tensors = {"query": query, "key": key}
@@ -89,12 +100,18 @@ def _check_qk(
                 f"enable_gqa=True needs key and value with the same number of heads (dim -3), "
                 f"got key {fmt_shape(key.shape)} and value {fmt_shape(value.shape)}"
             )
-        key = _expand_kv_heads(query, key, "key")
-        if value is not None:
-            value = _expand_kv_heads(query, value, "value")
+        _kv_group(query, key, "key")
+        if expand_gqa:
+            key = _expand_kv_heads(query, key, "key")
+            if value is not None:
+                value = _expand_kv_heads(query, value, "value")
     leading = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
+    # Leading dims as the math sees them: grouped key/value heads count as the query heads.
+    lead_shapes = [query.shape[:-2]] + [
+        t.shape[:-3] + query.shape[-3:-2] if enable_gqa else t.shape[:-2] for _, t in leading[1:]
+    ]
     try:
-        batch = torch.broadcast_shapes(*(t.shape[:-2] for _, t in leading))
+        batch = torch.broadcast_shapes(*lead_shapes)
     except RuntimeError:
         described = ", ".join(f"{n} {fmt_shape(t.shape[:-2])}" for n, t in leading)
         hint = ""
@@ -176,11 +193,12 @@ def _prepare(
     is_causal: object,
     scale: object,
     enable_gqa: object,
+    expand_gqa: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
     """Validate every argument; return (query, key, value, mask, scale) ready for the math."""
     _check_bool("is_causal", is_causal)
     check_scale(scale)  # type: ignore[arg-type]
-    query, key, value, batch = _check_qk(query, key, value, enable_gqa)  # type: ignore[arg-type]
+    query, key, value, batch = _check_qk(query, key, value, enable_gqa, expand_gqa)  # type: ignore[arg-type]
     L, S = query.shape[-2], key.shape[-2]
     mask = _check_mask(attn_mask, query, (*batch, L, S))
     resolved = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)  # type: ignore[arg-type]
@@ -244,6 +262,7 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
     return_weights: bool = False,
+    backend: str = "math",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Scaled dot-product attention, equal to ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -267,7 +286,15 @@ def scaled_dot_product_attention(
         enable_gqa: grouped-query attention (``H`` query heads, a multiple of
             the ``Hkv`` key/value heads at dim -3).
         return_weights: also return the weights the output was computed from
-            (after dropout).
+            (after dropout). Only the ``"math"`` backend can (``"auto"`` picks it).
+        backend: which implementation computes the result, see
+            :mod:`attention_ref.backends`: ``"math"`` (this reference, the
+            default), ``"tiled"`` (online softmax in PyTorch, memory linear in
+            ``S``), ``"sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``),
+            ``"triton"`` (this package's Triton kernel) or ``"auto"`` (a fixed rule:
+            :func:`attention_ref.backends.select_backend`). Every backend equals
+            ``"math"`` within floating-point tolerance; an argument a backend
+            cannot honour raises instead of falling back.
 
     Returns:
         ``(..., L, Ev)`` in ``query``'s dtype, or ``(output, weights)`` with
@@ -276,7 +303,8 @@ def scaled_dot_product_attention(
 
     Raises:
         ValueError: shapes that do not fit, a bad scale or dropout_p, tensors on
-            different devices.
+            different devices, an unknown backend, or a combination the chosen
+            backend does not support (the message names the backend and why).
         TypeError: non-float inputs, inputs of different dtypes, an integer mask.
 
     Example:
@@ -288,9 +316,23 @@ def scaled_dot_product_attention(
     """
     check_probability("dropout_p", dropout_p)
     _check_bool("return_weights", return_weights)
+    _backends.check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    query, key, value, mask, resolved = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    query, key, value, mask, resolved = _prepare(
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, expand_gqa=False
+    )
+    # Validated once above; from here on each backend gets clean tensors.
+    chosen = _backends._select(
+        backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, return_weights=return_weights
+    )
+    if chosen != "math":
+        return _backends._run(
+            chosen, query, key, value, mask, is_causal=is_causal, scale=resolved, dropout_p=dropout_p,
+            enable_gqa=enable_gqa,
+        )
+    if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
+        key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
     weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved))  # (..., L, S)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from attention_ref._validation import check_positive_int, check_probability, fmt_shape
+from attention_ref.backends import check_backend
 from attention_ref.functional import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention"]
@@ -38,13 +39,19 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout probability on the weights, in training mode only.
         device: where to create the parameters.
         dtype: dtype of the parameters.
+        backend: the attention backend, passed to
+            :func:`attention_ref.scaled_dot_product_attention` (``"math"``,
+            ``"tiled"``, ``"sdpa"``, ``"triton"`` or ``"auto"``; see
+            :mod:`attention_ref.backends`). Only ``"math"`` (or ``"auto"``, which
+            then picks it) can return weights.
 
     Attributes:
         q_proj, k_proj, v_proj, out_proj: the ``nn.Linear`` projections.
 
     Raises:
         ValueError: ``embed_dim`` not divisible by ``num_heads``, ``num_heads``
-            not divisible by ``num_kv_heads``, dropout outside ``[0, 1)``.
+            not divisible by ``num_kv_heads``, dropout outside ``[0, 1)``, an
+            unknown ``backend``.
 
     Example:
         >>> import torch
@@ -68,6 +75,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        backend: str = "math",
     ) -> None:
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
@@ -86,6 +94,7 @@ class MultiHeadAttention(nn.Module):
         kdim = embed_dim if kdim is None else check_positive_int("kdim", kdim)
         vdim = embed_dim if vdim is None else check_positive_int("vdim", vdim)
         check_probability("dropout", dropout)
+        self.backend = check_backend(backend)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.kdim, self.vdim, self.dropout = kdim, vdim, float(dropout)
         self.head_dim = embed_dim // num_heads
@@ -99,7 +108,7 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"kdim={self.kdim}, vdim={self.vdim}, dropout={self.dropout}"
+            f"kdim={self.kdim}, vdim={self.vdim}, dropout={self.dropout}, backend={self.backend!r}"
         )
 
     def _check_input(self, name: str, x: object, width: int) -> torch.Tensor:
@@ -162,7 +171,7 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, D)
         k = self._split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, S, D)
         v = self._split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, S, D)
-        out, weights = scaled_dot_product_attention(
+        result = scaled_dot_product_attention(
             q,
             k,
             v,
@@ -170,8 +179,10 @@ class MultiHeadAttention(nn.Module):
             is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.num_kv_heads != self.num_heads,
-            return_weights=True,
-        )  # (B, H, L, D), (B, H, L, S)
+            return_weights=return_weights,
+            backend=self.backend,
+        )  # (B, H, L, D), with return_weights also (B, H, L, S)
+        out, weights = result if return_weights else (result, None)
         out = out.transpose(1, 2).reshape(B, L, self.embed_dim)  # (B, H, L, D) -> (B, L, H * D)
         out = self.out_proj(out)  # (B, L, embed_dim)
         if not return_weights:

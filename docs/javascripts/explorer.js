@@ -5,8 +5,9 @@
  * Clicking a token (or moving to it with the keyboard) shows its attention
  * weights over all tokens: the tokens are shaded by weight and a list of bars
  * gives each value with 3 decimals. The menu switches heads. The data is the
- * JSON embedded in the container (`script.attention-explorer-data`), computed
- * by attention_ref when the site was built.
+ * JSON in the container's `data-attention` attribute, computed by
+ * attention_ref when the site was built. (Not a `<script type="application/json">`:
+ * Material's instant navigation re-runs the scripts of a new page as JavaScript.)
  *
  * Plain JavaScript, no framework, no network. With Material's instant
  * navigation the page content is replaced without a reload, so the set-up
@@ -74,14 +75,13 @@
     if (root.dataset.explorerReady === "true") {
       return; // already bound: instant navigation kept this element
     }
-    var script = root.querySelector("script.attention-explorer-data");
     var select = root.querySelector("select.attention-explorer-head");
-    if (!script || !select) {
+    if (!root.dataset.attention || !select) {
       return;
     }
     var data;
     try {
-      data = JSON.parse(script.textContent);
+      data = JSON.parse(root.dataset.attention);
     } catch (error) {
       root.dataset.explorerReady = "error";
       return;

@@ -1,0 +1,2 @@
+"""Probe docstring FIRST (temporary file of H2, checking the serve reload hook)."""
+VALUE = "value-FIRST"

@@ -1,0 +1,387 @@
+r"""The backends of :func:`attention_ref.scaled_dot_product_attention` and the rule that picks one.
+
+``scaled_dot_product_attention(..., backend=NAME)`` validates its arguments
+once, then hands clean tensors to one of these implementations. Each equals
+the reference (``"math"``) within floating-point tolerance, and the tests hold
+it to that on random shapes, masks and dtypes.
+
+========== ============================================== ======= ============== ======= ==============
+backend    what it is                                     weights masks          dropout devices
+========== ============================================== ======= ============== ======= ==============
+``math``   the reference: forms the ``(L, S)`` scores      yes     bool, float    yes     any
+``tiled``  :mod:`attention_ref.tiled`, online softmax      no      bool, float    no      any
+``sdpa``   ``torch.nn.functional.scaled_dot_product_       no      bool, float    yes     any
+           attention`` (flash / memory-efficient / cuDNN
+           kernels on CUDA, a flash kernel on CPU)
+``triton`` :mod:`attention_ref.triton_flash`, this         no      key padding    no      CUDA (or the
+           package's Triton kernel                                (bool)                 interpreter)
+========== ============================================== ======= ============== ======= ==============
+
+All of them support ``is_causal`` (top-left aligned, combined with
+``attn_mask``), ``scale``, grouped-query heads (``enable_gqa``) and autograd,
+and give output 0 for a query row that no key may attend to.
+
+``"auto"`` is a fixed rule, checked in this order (see :func:`select_backend`):
+
+1. weights requested (``return_weights=True``) -> ``"math"``, the only path
+   that forms them;
+2. CUDA tensors -> ``"triton"`` when the kernel is installed and supports the
+   call (no dropout, a key-padding mask or none, ``E == Ev`` in 16..128,
+   float16/bfloat16/float32), otherwise ``"sdpa"``;
+3. CPU tensors with ``max(L, S) >= CPU_TILED_MIN_LENGTH`` and no dropout ->
+   ``"tiled"``;
+4. otherwise -> ``"sdpa"``.
+
+A backend asked for explicitly never falls back to another: a combination it
+cannot honour (weights from a fused kernel, dropout in the tiled path, a float
+mask for the Triton kernel, ...) raises ``ValueError`` naming the backend and
+the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attention_ref._validation import fmt_shape
+from attention_ref.masks import causal_mask, combine_masks
+from attention_ref.tiled import _batch_shape, _tiled
+
+__all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "check_backend", "select_backend"]
+
+#: Every accepted value of ``backend``.
+BACKENDS = ("math", "tiled", "sdpa", "triton", "auto")
+
+#: ``"auto"`` picks ``"tiled"`` on CPU from this sequence length (``max(L, S)``) on.
+#: Measured with ``benchmarks/attention_bench.py --preset cpu`` (see
+#: docs/explanation/gpu-path.md): torch's CPU SDPA turns a boolean mask into a float
+#: ``(L, S)`` copy and falls back to its math kernel (which forms the ``(L, S)``
+#: scores) for inputs that are not 4-D or use dropout; from this length on that
+#: copy alone is over 256 MiB per head, while the tiled path's extra memory stays
+#: a few MiB, at comparable speed.
+CPU_TILED_MIN_LENGTH = 8192
+
+#: Head sizes the Triton kernel is verified for.
+TRITON_HEAD_DIMS = (16, 128)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_backend(backend: object) -> str:
+    """Check that ``backend`` is one of :data:`BACKENDS`.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: an unknown name.
+
+    Example:
+        >>> check_backend("tiled")
+        'tiled'
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def select_backend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+) -> str:
+    """The backend :func:`attention_ref.scaled_dot_product_attention` would run for these arguments.
+
+    Takes the same arguments (and validates them the same way). For
+    ``backend="auto"`` it applies the rule of this module's docstring; for an
+    explicit name it returns that name, or raises if the backend cannot honour
+    the arguments.
+
+    Returns:
+        One of ``"math"``, ``"tiled"``, ``"sdpa"``, ``"triton"``.
+
+    Raises:
+        ValueError: an unknown backend, or one that cannot honour the
+            arguments (the message names it and says why); the validation
+            errors of :func:`attention_ref.scaled_dot_product_attention`.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(1, 8, 16, 64)
+        >>> select_backend(q, q, q), select_backend(q, q, q, return_weights=True)
+        ('sdpa', 'math')
+        >>> long = torch.randn(1, 1, CPU_TILED_MIN_LENGTH, 16)
+        >>> select_backend(long, long, long)
+        'tiled'
+    """
+    from attention_ref._validation import check_probability
+    from attention_ref.functional import _check_bool, _prepare
+
+    check_probability("dropout_p", dropout_p)
+    _check_bool("return_weights", return_weights)
+    check_backend(backend)
+    query, key, value, mask, _ = _prepare(query, key, value, attn_mask, is_causal, None, enable_gqa, expand_gqa=False)
+    assert value is not None
+    return _select(backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p,
+                   return_weights=return_weights)
+
+
+# --- selection -------------------------------------------------------------------------------
+
+
+def _select(
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    dropout_p: float,
+    return_weights: bool,
+) -> str:
+    """Resolve ``"auto"`` and check that the backend can honour the (validated) arguments."""
+    if backend == "auto":
+        return _auto(query, key, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+    reason = _unsupported(backend, query, key, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
+    return backend
+
+
+def _auto(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    dropout_p: float,
+    return_weights: bool,
+) -> str:
+    """The ``"auto"`` rule of the module docstring, in the same order."""
+    if return_weights:
+        return "math"
+    if query.device.type == "cuda":
+        usable = _unsupported(
+            "triton", query, key, value, mask, dropout_p=dropout_p, return_weights=False
+        ) is None
+        return "triton" if usable else "sdpa"
+    if query.device.type == "cpu" and max(query.shape[-2], key.shape[-2]) >= CPU_TILED_MIN_LENGTH and dropout_p == 0:
+        return "tiled"
+    return "sdpa"
+
+
+def _unsupported(
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    dropout_p: float,
+    return_weights: bool,
+) -> str | None:
+    """Why ``backend`` cannot run this call, or ``None`` when it can."""
+    if backend == "math":
+        return None
+    if return_weights:
+        return "it never forms the (L, S) attention weights; use backend='math' (or 'auto') for return_weights=True"
+    if backend == "tiled":
+        if dropout_p > 0:
+            return f"dropout is not implemented in the tiled path (dropout_p={dropout_p}); use backend='math' or 'sdpa'"
+        return None
+    if backend == "sdpa":
+        return None
+    # backend == "triton"
+    if dropout_p > 0:
+        return f"the Triton kernel has no dropout (dropout_p={dropout_p}); use backend='math' or 'sdpa'"
+    if not _triton_available(query.device):
+        return (
+            "the Triton kernel needs the triton package and CUDA tensors (or CPU tensors under "
+            f"TRITON_INTERPRET=1, Triton's interpreter), got tensors on {query.device}"
+            + ("" if importlib.util.find_spec("triton") else " and triton is not installed")
+        )
+    if query.dtype not in _TRITON_DTYPES:
+        return f"the Triton kernel supports float16, bfloat16 and float32, got {query.dtype}"
+    E, Ev = query.shape[-1], value.shape[-1]
+    if E != Ev:
+        return f"the Triton kernel needs the same head size for query/key and value, got E={E}, Ev={Ev}"
+    low, high = TRITON_HEAD_DIMS
+    if not low <= E <= high:
+        return f"the Triton kernel supports head sizes {low}..{high}, got E={E}"
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            return (
+                "the Triton kernel takes only boolean key-padding masks, got a float attn_mask "
+                "(added to the scores); use backend='math', 'tiled' or 'sdpa'"
+            )
+        if _key_padding_rows(mask, query.dim()) is None:
+            return (
+                "the Triton kernel takes only key-padding masks, one row of S keys per batch entry "
+                f"(shape broadcastable as (B, 1, 1, S)), got attn_mask of shape {fmt_shape(mask.shape)}; "
+                "use backend='math', 'tiled' or 'sdpa'"
+            )
+    return None
+
+
+def _triton_available(device: torch.device) -> bool:
+    """The kernel module imports and says it can run on ``device`` now."""
+    try:
+        triton_flash = importlib.import_module("attention_ref.triton_flash")
+    except ImportError:
+        return False
+    return bool(triton_flash.is_available(device))
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def _run(
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Run a non-math backend on validated tensors (key/value heads not expanded)."""
+    if backend == "tiled":
+        return _tiled(query, key, value, mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if backend == "sdpa":
+        return _sdpa(query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                     enable_gqa=enable_gqa)
+    if backend == "triton":
+        return _triton(query, key, value, mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    raise AssertionError(f"unreachable: backend {backend!r}")  # _select only returns known names
+
+
+def _as_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int) -> torch.Tensor:
+    """``(..., T, D)`` broadcast to ``(*batch[:-1], heads, T, D)`` and flattened to ``(N, heads, T, D)``."""
+    prefix = batch[:-1]
+    # (..., T, D) -> (*prefix, heads, T, D) -> (N, heads, T, D); copies only broadcast dims.
+    return t.expand(*prefix, heads, *t.shape[-2:]).reshape(math.prod(prefix), heads, *t.shape[-2:])
+
+
+def _mask_4d(mask: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
+    """A mask broadcastable to ``(*batch, L, S)`` as a 4-D mask broadcastable to ``(N, H, L, S)``.
+
+    Size-1 dims stay size 1 (torch broadcasts them), so no ``(L, S)`` copy is made
+    for a key-padding mask.
+    """
+    nd = len(batch) + 2
+    m = mask.reshape((1,) * (nd - mask.dim()) + tuple(mask.shape))  # left-pad with 1s to (*batch', L', S')
+    if not batch:
+        return m.reshape(1, 1, *m.shape)  # (L', S') -> (1, 1, L', S')
+    split = len(batch) - 1  # dims in front of the heads
+    tail = tuple(m.shape[split:])  # (H', L', S')
+    if all(d == 1 for d in m.shape[:split]):
+        return m.reshape(1, *tail)
+    return m.expand(*batch[:-1], *tail).reshape(math.prod(batch[:-1]), *tail)
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    enable_gqa: bool,
+    fix_fully_masked: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` with the arguments translated.
+
+    - Inputs become 4-D ``(N, H, L, E)``: torch's CPU flash kernel runs only on 4-D
+      inputs (others fall back to its math kernel, which forms the ``(L, S)`` scores).
+    - Bool masks keep their polarity (``True`` = takes part in both).
+    - torch refuses ``attn_mask`` together with ``is_causal=True``: the causal mask
+      is folded into ``attn_mask`` (AND for bool, ``-inf`` added for float).
+    - Fully masked rows: torch 2.13's CPU kernels give 0 (tested); on other
+      devices (``fix_fully_masked`` defaults to True there) such rows are unmasked
+      before the call, so no kernel sees an empty row, and zeroed after it.
+    """
+    L, E = query.shape[-2:]
+    S, Ev = value.shape[-2:]
+    batch = _batch_shape(query, key, value, enable_gqa) or (1,)
+    H = batch[-1]
+    q4 = _as_4d(query, batch, H)  # (N, H, L, E)
+    kv_heads = key.shape[-3] if enable_gqa else H
+    k4, v4 = _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads)  # (N, Hkv, S, E|Ev)
+    if is_causal and mask is not None:
+        mask = combine_masks(causal_mask(L, S, device=query.device), mask)
+        is_causal = False
+    mask4 = _mask_4d(mask, batch) if mask is not None else None
+    if fix_fully_masked is None:
+        fix_fully_masked = query.device.type != "cpu"
+    empty_rows = None
+    if fix_fully_masked and mask4 is not None and S > 0:
+        allowed = mask4 if mask4.dtype == torch.bool else mask4 != float("-inf")
+        empty_rows = ~allowed.any(dim=-1, keepdim=True)  # (N', H', L', 1)
+        if bool(empty_rows.any()):
+            mask4 = mask4 | empty_rows if mask4.dtype == torch.bool else mask4.masked_fill(empty_rows, 0.0)
+        else:
+            empty_rows = None
+    out = F.scaled_dot_product_attention(
+        q4, k4, v4, attn_mask=mask4, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa and kv_heads != H,
+    )  # (N, H, L, Ev)
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows, 0.0)
+    return out.reshape(*_batch_shape(query, key, value, enable_gqa), L, Ev)
+
+
+def _key_padding_rows(mask: torch.Tensor, query_dims: int) -> torch.Tensor | None:
+    """A key-padding mask as ``(N, S')`` rows, or ``None`` if it varies over heads or queries."""
+    nd = max(query_dims, 2)
+    m = mask.reshape((1,) * (nd - mask.dim()) + tuple(mask.shape))  # (*batch', L', S')
+    if m.shape[-2] != 1 or (nd >= 3 and m.shape[-3] != 1):
+        return None
+    return m
+
+
+def _triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Call :func:`attention_ref.triton_flash.flash_attention` on ``(B, H, L, D)`` tensors."""
+    from attention_ref.functional import _expand_kv_heads
+    from attention_ref.triton_flash import flash_attention
+
+    if enable_gqa:  # the kernel takes as many key/value heads as query heads
+        key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
+    L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
+    batch = _batch_shape(query, key, value, False)
+    batch4 = batch or (1,)
+    H = batch4[-1]
+    q4, k4, v4 = (_as_4d(t, batch4, H).contiguous() for t in (query, key, value))  # (B, H, L|S, D)
+    key_padding = None
+    if mask is not None:
+        rows = _key_padding_rows(mask, len(batch) + 2)
+        assert rows is not None  # _unsupported checked it
+        # (*prefix', 1, 1, S') -> (B, 1, 1, S) -> (B, S): one row of keys per batch entry
+        key_padding = rows.expand(*batch4[:-1], 1, 1, S).reshape(-1, S)
+    # The kernel itself gives 0 (and zero gradients) on rows where no key takes part.
+    out = flash_attention(q4, k4, v4, is_causal=is_causal, scale=scale, key_padding_mask=key_padding)
+    return out.reshape(*batch, L, Ev)

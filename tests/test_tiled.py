@@ -1,0 +1,260 @@
+"""Tests of attention_ref.tiled: the online-softmax path against the float64 reference.
+
+The reference is ``scaled_dot_product_attention(..., backend="math")`` evaluated in
+float64 on the same (rounded) inputs. Block sizes are chosen so they do not divide
+``L`` or ``S`` (partial last blocks), and sizes are distinct odd numbers so a swapped
+axis changes a shape. The memory bound is checked structurally: every tensor an
+aten op produces during forward and backward is recorded, and none may be as large
+as one ``(L, S)`` score matrix per head (the same recorder does see one on the math
+path, so the check can fail).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attention_ref import scaled_dot_product_attention
+from attention_ref.tiled import tiled_attention
+
+# (atol, rtol) per dtype for outputs and gradients against the float64 reference.
+TOL = {
+    torch.float64: (1e-12, 1e-10),
+    torch.float32: (2e-6, 1e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+def _reference(q, k, v, mask, **kw):
+    """float64 reference output and gradients for the upstream gradient ``g``."""
+    return scaled_dot_product_attention(q, k, v, mask, backend="math", **kw)
+
+
+def _inputs(shape_q, shape_k, shape_v, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in (shape_q, shape_k, shape_v)]
+
+
+def _check(shape_q, shape_k, shape_v, *, mask=None, dtype=torch.float32, block_q=3, block_k=5, seed=0, **kw):
+    """Tiled output and gradients (q, k, v and a float mask) equal the float64 reference."""
+    q, k, v = _inputs(shape_q, shape_k, shape_v, dtype, seed)
+    mask_grad = mask is not None and mask.is_floating_point()
+    if mask_grad:
+        mask = mask.to(dtype).requires_grad_()
+    out = tiled_attention(q, k, v, mask, block_q=block_q, block_k=block_k, **kw)
+    assert out.dtype == dtype
+    leaves = [q, k, v] + ([mask] if mask_grad else [])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    grads = torch.autograd.grad(out, leaves, g.to(dtype))
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_mask = ref_leaves[3] if mask_grad else mask
+    ref = _reference(*ref_leaves[:3], ref_mask, **kw)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    for name, got, want in zip("qkvm", grads, ref_grads):
+        assert got.dtype == dtype, name
+        torch.testing.assert_close(got.double(), want, atol=atol * 4, rtol=rtol * 4, msg=lambda m, n=name: f"d{n}: {m}")
+    return out
+
+
+CASES = {
+    "plain L<S": dict(shape_q=(2, 3, 7, 5), shape_k=(2, 3, 13, 5), shape_v=(2, 3, 13, 11)),
+    "plain L>S": dict(shape_q=(2, 3, 13, 5), shape_k=(2, 3, 7, 5), shape_v=(2, 3, 7, 11)),
+    "causal L<S": dict(shape_q=(2, 3, 7, 5), shape_k=(2, 3, 13, 5), shape_v=(2, 3, 13, 11), is_causal=True),
+    "causal L>S": dict(shape_q=(3, 13, 5), shape_k=(3, 7, 5), shape_v=(3, 7, 11), is_causal=True),
+    "2-D inputs": dict(shape_q=(7, 5), shape_k=(13, 5), shape_v=(13, 3)),
+    "broadcast batch": dict(shape_q=(2, 3, 7, 5), shape_k=(3, 13, 5), shape_v=(1, 1, 13, 3), is_causal=True),
+    "scale": dict(shape_q=(2, 7, 5), shape_k=(2, 13, 5), shape_v=(2, 13, 3), scale=0.7),
+    "gqa": dict(shape_q=(2, 6, 7, 5), shape_k=(2, 2, 13, 5), shape_v=(2, 2, 13, 3), enable_gqa=True),
+    "gqa causal": dict(shape_q=(1, 6, 13, 5), shape_k=(1, 3, 11, 5), shape_v=(1, 3, 11, 3), enable_gqa=True, is_causal=True),
+    "mqa": dict(shape_q=(2, 5, 7, 3), shape_k=(2, 1, 13, 3), shape_v=(2, 1, 13, 3), enable_gqa=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_reference_without_mask(case, dtype):
+    _check(**CASES[case], dtype=dtype)
+
+
+def _bool_mask(shape, seed, empty_rows=()):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(*shape, generator=gen) > 0.4
+    for row in empty_rows:
+        mask[..., row, :] = False  # a query row no key may attend to
+    return mask
+
+
+MASKS = {
+    "bool (L, S)": lambda: _bool_mask((7, 13), 1),
+    "bool (B, 1, L, S) with empty rows": lambda: _bool_mask((2, 1, 7, 13), 2, empty_rows=(0, 4)),
+    "key padding (B, 1, 1, S)": lambda: _bool_mask((2, 1, 1, 13), 3),
+    "key padding (S,)": lambda: _bool_mask((13,), 4),
+    "all keys padded (B, 1, 1, S)": lambda: torch.tensor([True] * 13 + [False] * 13).view(2, 1, 1, 13),
+    "float (B, H, L, S)": lambda: torch.randn(2, 3, 7, 13, generator=torch.Generator().manual_seed(5)),
+    "float (L, 1)": lambda: torch.randn(7, 1, generator=torch.Generator().manual_seed(6)),
+    "float with -inf rows": lambda: torch.randn(3, 7, 13, generator=torch.Generator().manual_seed(7)).index_fill(1, torch.tensor([2, 6]), float("-inf")),
+}
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["mask", "causal+mask"])
+@pytest.mark.parametrize("name", list(MASKS), ids=list(MASKS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+def test_matches_reference_with_masks(name, is_causal, dtype):
+    mask = MASKS[name]()
+    _check((2, 3, 7, 5), (2, 3, 13, 5), (2, 3, 13, 11), mask=mask, dtype=dtype, is_causal=is_causal, block_q=4, block_k=6)
+
+
+def test_gqa_with_head_dependent_mask():
+    # A mask that differs per query head must reach the right head of each group.
+    mask = _bool_mask((1, 6, 7, 13), 8, empty_rows=(3,))
+    _check((1, 6, 7, 5), (1, 2, 13, 5), (1, 2, 13, 3), mask=mask, enable_gqa=True, dtype=torch.float64)
+
+
+def test_fully_masked_rows_are_zero_with_zero_grad():
+    q, k, v = _inputs((2, 7, 5), (2, 13, 5), (2, 13, 3), torch.float32, 9)
+    mask = _bool_mask((2, 7, 13), 9, empty_rows=(1, 5))
+    out = tiled_attention(q, k, v, mask, block_q=2, block_k=4)
+    assert torch.equal(out[:, [1, 5]], torch.zeros(2, 2, 3))
+    out.sum().backward()
+    assert torch.equal(q.grad[:, [1, 5]], torch.zeros(2, 2, 5))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_empty_sequences():
+    q, k, v = torch.randn(2, 7, 5), torch.randn(2, 0, 5), torch.randn(2, 0, 3)
+    assert torch.equal(tiled_attention(q, k, v), torch.zeros(2, 7, 3))  # S = 0: every row empty
+    assert tiled_attention(torch.randn(2, 0, 5), torch.randn(2, 13, 5), torch.randn(2, 13, 3)).shape == (2, 0, 3)
+
+
+def test_hand_computable_case_one_key_per_block():
+    # q = [0, sqrt 2], k = I: scores [0, 1] -> weights [1, e] / (1 + e), one key per block.
+    q = torch.tensor([[0.0, 2.0**0.5]], dtype=torch.float64)
+    out = tiled_attention(q, torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64), block_q=1, block_k=1)
+    expected = torch.tensor([[1.0, math.e]], dtype=torch.float64) / (1 + math.e)
+    torch.testing.assert_close(out, expected, atol=1e-15, rtol=0)
+
+
+def test_rescaling_when_the_running_max_jumps():
+    # Scores grow by ~1000 from one key block to the next: without the running-max
+    # rescaling exp() overflows, and with a stale max the early blocks would dominate.
+    q = torch.tensor([[1.0]], dtype=torch.float64)
+    k = torch.tensor([[0.0], [1.0], [500.0], [1000.0], [999.0]], dtype=torch.float64)
+    v = torch.arange(5, dtype=torch.float64).unsqueeze(-1)
+    out = tiled_attention(q, k, v, scale=1.0, block_k=2)
+    ref = scaled_dot_product_attention(q, k, v, scale=1.0)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    assert torch.isfinite(out).all()
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, 7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 2, 7, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(4, 5, 7, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def fn(q, k, v, bias):
+        return tiled_attention(q, k, v, bias, is_causal=True, enable_gqa=True, block_q=2, block_k=3)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias))
+
+
+def test_non_contiguous_inputs():
+    x = torch.randn(2, 13, 3, 5)  # (B, S, H, E): heads split like multi-head attention does
+    q, k, v = x[:, :7].transpose(1, 2), x.transpose(1, 2), x.transpose(1, 2)
+    ref = scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(tiled_attention(q, k, v, is_causal=True, block_q=4, block_k=4), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_double_backward_is_refused():
+    # The blockwise backward is not differentiable: a second derivative raises, never silently 0.
+    q = torch.randn(1, 7, 5, dtype=torch.float64, requires_grad=True)
+    out = tiled_attention(q, q, q, block_q=3, block_k=3)
+    w = torch.randn(out.shape, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(out, q, w, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(block_q=0), ValueError, r"block_q must be a positive int, got 0"),
+        (dict(block_k=-3), ValueError, r"block_k must be a positive int, got -3"),
+        (dict(block_k=2.5), TypeError, r"block_k must be an int, got float"),
+        (dict(block_q=True), TypeError, r"block_q must be an int, got bool"),
+    ],
+)
+def test_block_size_errors(kwargs, error, match):
+    q = torch.randn(7, 5)
+    with pytest.raises(error, match=match):
+        tiled_attention(q, q, q, **kwargs)
+
+
+def test_validation_is_the_core_one():
+    with pytest.raises(ValueError, match=r"query and key must have the same last dim E"):
+        tiled_attention(torch.randn(7, 5), torch.randn(13, 3), torch.randn(13, 3))
+    with pytest.raises(ValueError, match=r"attn_mask must be broadcastable to \(\.\.\., L, S\) = \(7, 13\)"):
+        tiled_attention(torch.randn(7, 5), torch.randn(13, 5), torch.randn(13, 3), torch.ones(7, 12, dtype=torch.bool))
+
+
+# --- the memory bound, checked structurally -------------------------------------------------
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    """Records the shape of every tensor an aten op allocates.
+
+    Views and in-place results share an input's storage and are skipped: they cost
+    no memory (slicing the user's ``(L, S)`` mask is free; copying it would not be).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        shared = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _record(fn) -> list[tuple[str, tuple[int, ...]]]:
+    B, H, L, S, E = 1, 2, 96, 80, 4
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(B, H, n, E, generator=gen, requires_grad=True) for n in (L, S, S))
+    mask = torch.rand(L, S, generator=gen) > 0.3  # the user's own (L, S) mask: an input, not recorded
+    with _ShapeRecorder() as rec:
+        out = fn(q, k, v, mask)
+        out.backward(torch.ones_like(out))
+    return rec.shapes
+
+
+def test_tiled_never_allocates_a_score_matrix():
+    block_q, block_k = 16, 32
+    shapes = _record(lambda q, k, v, m: tiled_attention(q, k, v, m, is_causal=True, block_q=block_q, block_k=block_k))
+    H, L, S, E = 2, 96, 80, 4
+    largest = max(math.prod(s) for _, s in shapes)
+    # Nothing bigger than one block of scores per head or one input: no (L, S) matrix.
+    assert largest <= max(H * block_q * block_k, H * L * E), largest
+    assert not [s for _, s in shapes if len(s) >= 2 and s[-2] == L and s[-1] == S]
+    # The score blocks respect the block sizes (and there are blocks of exactly that size).
+    score_blocks = [s for f, s in shapes if f.startswith("aten.bmm") and s[-1] not in (E,)]
+    assert score_blocks and all(s[-2] <= block_q and s[-1] <= block_k for s in score_blocks)
+    assert (H, block_q, block_k) in score_blocks
+
+
+def test_the_recorder_sees_the_math_paths_score_matrix():
+    # The same check fails on the reference path: it is not vacuous.
+    shapes = _record(lambda q, k, v, m: scaled_dot_product_attention(q, k, v, m, is_causal=True))
+    assert [s for _, s in shapes if s[-2:] == (96, 80) and math.prod(s) >= 2 * 96 * 80]
