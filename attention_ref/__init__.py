@@ -12,7 +12,7 @@ Shape legend, used in every docstring and comment of this package:
 Mask convention: a boolean mask holds ``True`` where a query-key pair *takes part*
 in attention (the convention of ``torch.nn.functional.scaled_dot_product_attention``).
 ``torch.nn.MultiheadAttention`` uses the opposite polarity for its boolean masks;
-:func:`attention_ref.masks.from_key_padding_mask` converts at the boundary.
+`attention_ref.masks.from_key_padding_mask` converts at the boundary.
 A float mask is added to the scores.
 
 ``attention_ref.viz`` (plotting) needs the optional ``matplotlib`` extra and is

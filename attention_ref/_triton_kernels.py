@@ -107,7 +107,7 @@ def _attn_fwd(
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
-    stride_mb, H, L, S, D, qk_scale,
+    stride_mb, stride_lb, stride_lh, L, S, D, qk_scale,
     IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -154,14 +154,14 @@ def _attn_fwd(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))  # base 2
-    tl.store(LSE + (off_b * H + off_h) * L + offs_m, lse, mask=m_ok)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + offs_m, lse, mask=m_ok)
     o_ptrs = O + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, DELTA, stride_qb, stride_qh, stride_qm, H, L, D,
+    O, DO, DELTA, stride_qb, stride_qh, stride_qm, stride_lb, stride_lh, L, D,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # delta_i = sum_d dO_id * O_id, in float32: grid (cdiv(L, BLOCK_M), B, H)
@@ -174,7 +174,7 @@ def _attn_bwd_preprocess(
     offs = off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
     o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + (off_b * H + off_h) * L + offs_m, tl.sum(o * do, 1), mask=m_ok)
+    tl.store(DELTA + off_b * stride_lb + off_h * stride_lh + offs_m, tl.sum(o * do, 1), mask=m_ok)
 
 
 @triton.jit
@@ -223,7 +223,7 @@ def _attn_bwd_dkdv(
     Q, K, V, KPM, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
-    stride_mb, H, L, S, D, sm_scale, qk_scale,
+    stride_mb, stride_lb, stride_lh, L, S, D, sm_scale, qk_scale,
     IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -236,8 +236,8 @@ def _attn_bwd_dkdv(
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     do_base = DO + off_b * stride_qb + off_h * stride_qh
     kv_off = off_b * stride_kb + off_h * stride_kh
-    lse_base = LSE + (off_b * H + off_h) * L
-    delta_base = DELTA + (off_b * H + off_h) * L
+    lse_base = LSE + off_b * stride_lb + off_h * stride_lh  # DELTA shares LSE's layout
+    delta_base = DELTA + off_b * stride_lb + off_h * stride_lh
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < S
@@ -325,7 +325,7 @@ def _attn_bwd_dq(
     Q, K, V, KPM, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
-    stride_mb, H, L, S, D, sm_scale, qk_scale,
+    stride_mb, stride_lb, stride_lh, L, S, D, sm_scale, qk_scale,
     IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -346,7 +346,7 @@ def _attn_bwd_dq(
     q_offs = q_off + offs_m[:, None] * stride_qm + offs_d[None, :]
     q = _load_2d(Q + q_offs, m_ok, d_ok, True, not EVEN_D)  # (BLOCK_M2, BLOCK_D)
     do = _load_2d(DO + q_offs, m_ok, d_ok, True, not EVEN_D)
-    row = (off_b * H + off_h) * L + offs_m
+    row = off_b * stride_lb + off_h * stride_lh + offs_m  # DELTA shares LSE's layout
     lse = tl.load(LSE + row, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)

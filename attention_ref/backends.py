@@ -225,11 +225,11 @@ def _unsupported(
                 "the Triton kernel takes only boolean key-padding masks, got a float attn_mask "
                 "(added to the scores); use backend='math', 'tiled' or 'sdpa'"
             )
-        if _key_padding_rows(mask, query.dim()) is None:
+        if not _is_key_padding(mask):
             return (
-                "the Triton kernel takes only key-padding masks, one row of S keys per batch entry "
-                f"(shape broadcastable as (B, 1, 1, S)), got attn_mask of shape {fmt_shape(mask.shape)}; "
-                "use backend='math', 'tiled' or 'sdpa'"
+                "the Triton kernel takes only key-padding masks, the same keys for every query "
+                f"(broadcastable to (..., 1, S), e.g. (B, 1, 1, S)), got attn_mask of shape "
+                f"{fmt_shape(mask.shape)}; use backend='math', 'tiled' or 'sdpa'"
             )
     return None
 
@@ -346,13 +346,9 @@ def _sdpa(
     return out.reshape(*_batch_shape(query, key, value, enable_gqa), L, Ev)
 
 
-def _key_padding_rows(mask: torch.Tensor, query_dims: int) -> torch.Tensor | None:
-    """A key-padding mask as ``(N, S')`` rows, or ``None`` if it varies over heads or queries."""
-    nd = max(query_dims, 2)
-    m = mask.reshape((1,) * (nd - mask.dim()) + tuple(mask.shape))  # (*batch', L', S')
-    if m.shape[-2] != 1 or (nd >= 3 and m.shape[-3] != 1):
-        return None
-    return m
+def _is_key_padding(mask: torch.Tensor) -> bool:
+    """The mask keeps the same keys for every query: broadcastable to ``(..., 1, S)``."""
+    return mask.dim() < 2 or mask.shape[-2] == 1
 
 
 def _triton(
@@ -365,7 +361,12 @@ def _triton(
     scale: float,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """Call :func:`attention_ref.triton_flash.flash_attention` on ``(B, H, L, D)`` tensors."""
+    """Call :func:`attention_ref.triton_flash.flash_attention` on ``(N, 1, L, D)`` tensors.
+
+    Every leading dim (batch and heads) goes to the kernel's batch axis, so a
+    key-padding mask may differ per batch entry and per head: it becomes the
+    kernel's ``(N, S)`` ``key_padding_mask``.
+    """
     from attention_ref.functional import _expand_kv_heads
     from attention_ref.triton_flash import flash_attention
 
@@ -373,15 +374,13 @@ def _triton(
         key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     batch = _batch_shape(query, key, value, False)
-    batch4 = batch or (1,)
-    H = batch4[-1]
-    q4, k4, v4 = (_as_4d(t, batch4, H).contiguous() for t in (query, key, value))  # (B, H, L|S, D)
+    N = math.prod(batch)
+    # (..., L|S, D) -> (*batch, L|S, D) -> (N, 1, L|S, D); copies only broadcast dims.
+    q4, k4, v4 = (t.expand(*batch, *t.shape[-2:]).reshape(N, 1, *t.shape[-2:]) for t in (query, key, value))
     key_padding = None
     if mask is not None:
-        rows = _key_padding_rows(mask, len(batch) + 2)
-        assert rows is not None  # _unsupported checked it
-        # (*prefix', 1, 1, S') -> (B, 1, 1, S) -> (B, S): one row of keys per batch entry
-        key_padding = rows.expand(*batch4[:-1], 1, 1, S).reshape(-1, S)
+        # (..., 1, S') -> (*batch, 1, S) -> (N, S): one row of keys per batch entry and head
+        key_padding = mask.expand(*batch, 1, S).reshape(N, S)
     # The kernel itself gives 0 (and zero gradients) on rows where no key takes part.
     out = flash_attention(q4, k4, v4, is_causal=is_causal, scale=scale, key_padding_mask=key_padding)
     return out.reshape(*batch, L, Ev)

@@ -4,10 +4,10 @@ Shapes use the package legend: ``B`` batch, ``H`` heads, ``L`` query length,
 ``S`` key length, ``E`` query/key size per head, ``Ev`` value size per head.
 A multi-head layer of width ``d = H * E`` (with ``Ev = E``) costs
 
-.. math::
-
-    \underbrace{2 B L d^2 + 2 B S d\,(d_k + d_v) + 2 B L d^2}_{\text{projections}}
-    \;+\; \underbrace{2 B H L S (E + E_v)}_{QK^\top \text{ and } WV}
+$$
+\underbrace{2 B L d^2 + 2 B S d\,(d_k + d_v) + 2 B L d^2}_{\text{projections}}
+\;+\; \underbrace{2 B H L S (E + E_v)}_{QK^\top \text{ and } WV}
+$$
 
 multiply-add FLOPs (one multiply-add counts 2), i.e. ``O(n d^2 + n^2 d)`` for
 ``n = L = S``: the projections dominate for short sequences, the ``n x n``
@@ -40,7 +40,7 @@ def causal_pairs(L: int, S: int) -> int:
     Query ``i`` sees keys ``0..min(i, S-1)``: :math:`\sum_{i<L} \min(i+1, S)`,
     which is ``L (L + 1) / 2`` when ``L = S``.
 
-    Example:
+    Examples:
         >>> causal_pairs(4, 4)
         10
     """
@@ -52,15 +52,15 @@ def causal_pairs(L: int, S: int) -> int:
 def attention_flops(B: int, H: int, L: int, S: int, E: int, Ev: int, causal: bool = False) -> int:
     r"""FLOPs of the two matrix products of scaled dot-product attention.
 
-    .. math::
-
-        \underbrace{2 B H L S E}_{Q K^\top} + \underbrace{2 B H L S E_v}_{W V}
+    $$
+    \underbrace{2 B H L S E}_{Q K^\top} + \underbrace{2 B H L S E_v}_{W V}
+    $$
 
     With ``causal=True`` only the pairs a causal mask keeps are counted
-    (:func:`causal_pairs` instead of ``L * S``): the work a kernel that skips masked
+    (`causal_pairs` instead of ``L * S``): the work a kernel that skips masked
     blocks must do. The reference path computes all ``L * S`` pairs either way.
 
-    Example:
+    Examples:
         >>> attention_flops(B=1, H=1, L=2, S=3, E=4, Ev=5)
         108
     """
@@ -74,10 +74,10 @@ def projection_flops(
 ) -> int:
     r"""FLOPs of the four linear projections of a multi-head layer (biases not counted).
 
-    .. math::
-
-        \underbrace{2 B L d^2}_{W^Q} + \underbrace{2 B S d_k d_{kv}}_{W^K}
-        + \underbrace{2 B S d_v d_{kv}}_{W^V} + \underbrace{2 B L d^2}_{W^O}
+    $$
+    \underbrace{2 B L d^2}_{W^Q} + \underbrace{2 B S d_k d_{kv}}_{W^K}
+    + \underbrace{2 B S d_v d_{kv}}_{W^V} + \underbrace{2 B L d^2}_{W^O}
+    $$
 
     ``d = embed_dim``, ``d_k = kdim``, ``d_v = vdim`` (both default to ``d``), and
     ``d_kv = num_kv_heads_width`` the width of the key/value projections
@@ -91,9 +91,9 @@ def projection_flops(
 
 
 def layer_flops(B: int, H: int, L: int, S: int, embed_dim: int, *, kdim: int | None = None, vdim: int | None = None, causal: bool = False) -> int:
-    """FLOPs of one :class:`attention_ref.MultiHeadAttention` forward: projections + attention.
+    """FLOPs of one `attention_ref.MultiHeadAttention` forward: projections + attention.
 
-    Example:
+    Examples:
         >>> layer_flops(B=1, H=2, L=3, S=3, embed_dim=4)
         528
     """
@@ -107,15 +107,15 @@ def layer_flops(B: int, H: int, L: int, S: int, embed_dim: int, *, kdim: int | N
 def parameter_count(embed_dim: int, *, kdim: int | None = None, vdim: int | None = None, num_heads: int = 1, num_kv_heads: int | None = None, bias: bool = True) -> int:
     r"""Parameters of one multi-head attention layer.
 
-    .. math::
-
-        \underbrace{d^2 + d}_{W^Q, b^Q} + \underbrace{d_k d_{kv} + d_{kv}}_{W^K, b^K}
-        + \underbrace{d_v d_{kv} + d_{kv}}_{W^V, b^V} + \underbrace{d^2 + d}_{W^O, b^O}
+    $$
+    \underbrace{d^2 + d}_{W^Q, b^Q} + \underbrace{d_k d_{kv} + d_{kv}}_{W^K, b^K}
+    + \underbrace{d_v d_{kv} + d_{kv}}_{W^V, b^V} + \underbrace{d^2 + d}_{W^O, b^O}
+    $$
 
     which is ``4 d^2 + 4 d`` for self-attention. The count does not depend on the
     number of heads (heads split ``d``), except through ``d_kv = num_kv_heads * d / H``.
 
-    Example:
+    Examples:
         >>> parameter_count(512)
         1050624
     """
@@ -146,7 +146,7 @@ def attention_memory_bytes(B: int, H: int, L: int, S: int, E: int, Ev: int, *, b
     the reference path materialises, 0 when ``materialize_weights=False`` as in
     the tiled and fused kernels), each times ``bytes_per_element``.
 
-    Example:
+    Examples:
         >>> attention_memory_bytes(1, 1, 32768, 32768, 64, 64)["weights"] // 2**30
         4
     """

@@ -3,11 +3,11 @@ r"""The functional core: attention weights and scaled dot-product attention.
 Every other part of the package (multi-head attention, cross-attention, the
 plots, the docs) calls these two functions. The math, for one query row ``i``:
 
-.. math::
-
-    \mathrm{scores}_{ij} = \text{scale}\cdot q_i \cdot k_j + m_{ij}, \qquad
-    w_{ij} = \frac{e^{\mathrm{scores}_{ij}}}{\sum_{j'} e^{\mathrm{scores}_{ij'}}}, \qquad
-    \mathrm{out}_i = \sum_j w_{ij} v_j
+$$
+\mathrm{scores}_{ij} = \text{scale}\cdot q_i \cdot k_j + m_{ij}, \qquad
+w_{ij} = \frac{e^{\mathrm{scores}_{ij}}}{\sum_{j'} e^{\mathrm{scores}_{ij'}}}, \qquad
+\mathrm{out}_i = \sum_j w_{ij} v_j
+$$
 
 where ``m`` is 0 for pairs that take part and ``-inf`` for masked pairs (or the
 values of a float mask). Shapes use the package legend: ``B`` batch, ``H`` heads,
@@ -238,7 +238,7 @@ def attention_weights(
             tensors on different devices.
         TypeError: non-float inputs, inputs of different dtypes, an integer mask.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import attention_weights
         >>> q = torch.tensor([[0.0, 2.0 ** 0.5]])
@@ -266,9 +266,9 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Scaled dot-product attention, equal to ``torch.nn.functional.scaled_dot_product_attention``.
 
-    .. math::
-
-        \mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{E}} + M\right) V
+    $$
+    \mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{E}} + M\right) V
+    $$
 
     Args:
         query: ``(..., L, E)``.
@@ -292,7 +292,7 @@ def scaled_dot_product_attention(
             default), ``"tiled"`` (online softmax in PyTorch, memory linear in
             ``S``), ``"sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``),
             ``"triton"`` (this package's Triton kernel) or ``"auto"`` (a fixed rule:
-            :func:`attention_ref.backends.select_backend`). Every backend equals
+            `attention_ref.backends.select_backend`). Every backend equals
             ``"math"`` within floating-point tolerance; an argument a backend
             cannot honour raises instead of falling back.
 
@@ -307,7 +307,7 @@ def scaled_dot_product_attention(
             backend does not support (the message names the backend and why).
         TypeError: non-float inputs, inputs of different dtypes, an integer mask.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import scaled_dot_product_attention
         >>> q, k, v = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 4)

@@ -3,7 +3,7 @@
 One convention throughout: a boolean mask is ``True`` where a query-key pair
 *takes part* in attention, as in ``torch.nn.functional.scaled_dot_product_attention``.
 ``torch.nn.MultiheadAttention`` uses the opposite (``True`` = ignore) for its
-boolean ``key_padding_mask`` and ``attn_mask``; :func:`from_key_padding_mask`
+boolean ``key_padding_mask`` and ``attn_mask``; `from_key_padding_mask`
 converts at that boundary. A float mask is added to the scores (``0`` keeps a
 pair, ``-inf`` removes it).
 
@@ -53,7 +53,7 @@ def causal_mask(
     Raises:
         ValueError: a negative length or an unknown alignment.
 
-    Example:
+    Examples:
         >>> causal_mask(2, 3).int().tolist()
         [[1, 0, 0], [1, 1, 0]]
         >>> causal_mask(2, 3, alignment="bottom_right").int().tolist()
@@ -84,7 +84,7 @@ def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
         TypeError: ``lengths`` not an integer tensor.
         ValueError: ``lengths`` not 1-D, or a length outside ``[0, S]``.
 
-    Example:
+    Examples:
         >>> padding_mask(torch.tensor([2, 3]), 4).int().squeeze(1).squeeze(1).tolist()
         [[1, 1, 0, 0], [1, 1, 1, 0]]
     """
@@ -117,7 +117,7 @@ def padding_mask_from_tokens(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     Raises:
         ValueError: ``tokens`` not 2-D.
 
-    Example:
+    Examples:
         >>> padding_mask_from_tokens(torch.tensor([[5, 7, 0]]), pad_id=0).shape
         torch.Size([1, 1, 1, 3])
     """
@@ -144,7 +144,7 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
     Raises:
         TypeError: an integer mask or a non-float ``dtype``.
 
-    Example:
+    Examples:
         >>> to_additive(torch.tensor([True, False])).tolist()
         [0.0, -inf]
     """
@@ -176,7 +176,7 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
         TypeError: an integer mask.
         ValueError: shapes that do not broadcast.
 
-    Example:
+    Examples:
         >>> causal = causal_mask(3)
         >>> pad = padding_mask(torch.tensor([2]), 3)
         >>> combine_masks(causal, pad).shape
@@ -225,7 +225,7 @@ def from_key_padding_mask(key_padding_mask: torch.Tensor) -> torch.Tensor:
         ValueError: not 2-D.
         TypeError: an integer mask.
 
-    Example:
+    Examples:
         >>> kpm = torch.tensor([[False, False, True]])  # PyTorch: last key is padding
         >>> from_key_padding_mask(kpm).flatten().tolist()
         [True, True, False]

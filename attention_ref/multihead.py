@@ -1,9 +1,9 @@
 r"""Multi-head attention (self and cross), a thin module over the functional core.
 
-.. math::
-
-    \mathrm{head}_h = \mathrm{Attention}(X_q W^Q_h,\; X_k W^K_h,\; X_v W^V_h), \qquad
-    \mathrm{MHA}(X_q, X_k, X_v) = [\mathrm{head}_1, \dots, \mathrm{head}_H]\, W^O
+$$
+\mathrm{head}_h = \mathrm{Attention}(X_q W^Q_h,\; X_k W^K_h,\; X_v W^V_h), \qquad
+\mathrm{MHA}(X_q, X_k, X_v) = [\mathrm{head}_1, \dots, \mathrm{head}_H]\, W^O
+$$
 
 Shapes: ``B`` batch, ``H`` heads, ``L`` query length, ``S`` key length;
 ``D = embed_dim / H`` is the per-head size (``E`` and ``Ev`` of the core).
@@ -40,7 +40,7 @@ class MultiHeadAttention(nn.Module):
         device: where to create the parameters.
         dtype: dtype of the parameters.
         backend: the attention backend, passed to
-            :func:`attention_ref.scaled_dot_product_attention` (``"math"``,
+            `attention_ref.scaled_dot_product_attention` (``"math"``,
             ``"tiled"``, ``"sdpa"``, ``"triton"`` or ``"auto"``; see
             :mod:`attention_ref.backends`). Only ``"math"`` (or ``"auto"``, which
             then picks it) can return weights.
@@ -53,7 +53,7 @@ class MultiHeadAttention(nn.Module):
             not divisible by ``num_kv_heads``, dropout outside ``[0, 1)``, an
             unknown ``backend``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import MultiHeadAttention
         >>> mha = MultiHeadAttention(16, 4)
@@ -147,7 +147,7 @@ class MultiHeadAttention(nn.Module):
             value: ``(B, S, vdim)``; ``None`` means ``key``.
             attn_mask: bool ``True`` = takes part (the opposite of
                 ``torch.nn.MultiheadAttention``; see
-                :func:`attention_ref.masks.from_key_padding_mask`) or float,
+                `attention_ref.masks.from_key_padding_mask`) or float,
                 broadcastable to ``(B, H, L, S)``.
             is_causal: top-left aligned causal mask, combined with ``attn_mask``.
             return_weights: also return the attention weights.
@@ -197,7 +197,7 @@ class MultiHeadAttention(nn.Module):
         in-projections, bias on or off, ``kdim``/``vdim``, and dropout. The copy is
         always batch first: for a source built with ``batch_first=False``, pass
         ``x.transpose(0, 1)``. Boolean masks must be converted, since PyTorch's are
-        ``True`` = ignore: use :func:`attention_ref.masks.from_key_padding_mask`
+        ``True`` = ignore: use `attention_ref.masks.from_key_padding_mask`
         and ``~attn_mask``.
 
         Raises:

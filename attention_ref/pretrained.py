@@ -158,8 +158,9 @@ class MiniLM(nn.Module):
         """Tokenize and pad a batch.
 
         Returns:
-            ``(tokens, input_ids (B, L), attention_mask (B, L) bool)``; ``tokens``
-            holds each sentence's WordPiece tokens without padding.
+            tokens: each sentence's WordPiece tokens, without padding.
+            input_ids: ``(B, L)`` token ids, padded with 0 (``[PAD]``).
+            attention_mask: ``(B, L)`` bool, ``True`` for real tokens.
 
         Raises:
             ValueError: a sentence longer than the 512 positions of the model.
@@ -186,7 +187,7 @@ class MiniLM(nn.Module):
 
         Returns:
             A [`MiniLMOutput`][attention_ref.pretrained.MiniLMOutput] with every hidden state and
-            every layer's weights.
+                every layer's weights.
         """
         B, L = input_ids.shape
         positions = torch.arange(L, device=input_ids.device)
@@ -250,10 +251,10 @@ def minilm_attention(sentence: str, layer: int = 2) -> tuple[list[str], torch.Te
             count from the end (``-1`` is the last layer).
 
     Returns:
-        ``(tokens, weights)``: the ``L`` tokens (``[CLS]``, ..., ``[SEP]``) and
-        float32 weights ``(H, L, L)`` with ``H = 12``; ``weights[h, i, j]`` is how
-        much query token ``i`` attends to key token ``j`` in head ``h``. Each row
-        sums to 1.
+        tokens: the ``L`` tokens, ``[CLS]`` first and ``[SEP]`` last.
+        weights: float32 ``(H, L, L)`` with ``H = 12``; ``weights[h, i, j]`` is how
+            much query token ``i`` attends to key token ``j`` in head ``h``. Each
+            row sums to 1.
 
     Raises:
         ImportError: the optional model packages are missing (the message gives

@@ -1,7 +1,7 @@
 """Scaled dot-product attention in pure NumPy: the whole algorithm, nothing hidden.
 
 This module imports only NumPy. It has the semantics of
-:func:`attention_ref.scaled_dot_product_attention`: a bool mask is ``True``
+`attention_ref.scaled_dot_product_attention`: a bool mask is ``True``
 where a pair takes part, a float mask is added to the scores, and a query row
 with no key taking part gives 0. Shapes: ``q (..., L, E)``, ``k (..., S, E)``,
 ``v (..., S, Ev)``.
@@ -17,7 +17,7 @@ __all__ = ["scaled_dot_product_attention", "softmax"]
 def softmax(scores: np.ndarray) -> np.ndarray:
     """Softmax over the last axis; rows where every score is ``-inf`` give 0.
 
-    Example:
+    Examples:
         >>> softmax(np.array([[0.0, np.log(3.0)], [-np.inf, -np.inf]])).tolist()
         [[0.25, 0.75], [0.0, 0.0]]
     """

@@ -263,6 +263,18 @@ def _launch_context(device: torch.device) -> Any:
     return contextlib.nullcontext()
 
 
+_MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dims (batch, heads)
+
+
+def _grid_chunks(B: int, H: int) -> list[tuple[slice, slice]]:
+    """(batch, head) slices small enough for one launch; one slice pair in practice."""
+    return [
+        (slice(b, min(B, b + _MAX_GRID_YZ)), slice(h, min(H, h + _MAX_GRID_YZ)))
+        for b in range(0, B, _MAX_GRID_YZ)
+        for h in range(0, H, _MAX_GRID_YZ)
+    ]
+
+
 def _forward(
     kernels: ModuleType,
     q: torch.Tensor,
@@ -276,23 +288,26 @@ def _forward(
     """Launch the forward kernel; returns ``o (B, H, L, D)`` and ``lse (B, H, L)`` (float32, base 2)."""
     B, H, L, D = q.shape
     S = k.shape[2]
-    o = torch.empty_like(q)
+    o = torch.empty_like(q)  # contiguous, like q: o shares q's strides
     lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
     block_d = _head_dim_block(D)
-    grid = (_cdiv(L, config.block_m), B, H)
-    kpm_arg = kpm if kpm is not None else q  # a dummy pointer, never read when HAS_KPM=False
     with _launch_context(q.device):
-        kernels._attn_fwd[grid](
-            q, k, v, kpm_arg, o, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            kpm.stride(0) if kpm is not None else 0, H, L, S, D, scale * _LOG2_E,
-            IS_CAUSAL=is_causal, HAS_KPM=kpm is not None,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-            EVEN_D=block_d == D, DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
-        )
+        for bs, hs in _grid_chunks(B, H):
+            qc, kc, vc, oc, lc = q[bs, hs], k[bs, hs], v[bs, hs], o[bs, hs], lse[bs, hs]
+            kpm_c = kpm[bs] if kpm is not None else None
+            grid = (_cdiv(L, config.block_m), qc.shape[0], qc.shape[1])
+            kernels._attn_fwd[grid](
+                qc, kc, vc, kpm_c if kpm_c is not None else qc, oc, lc,  # qc: unused dummy pointer
+                qc.stride(0), qc.stride(1), qc.stride(2),
+                kc.stride(0), kc.stride(1), kc.stride(2),
+                vc.stride(0), vc.stride(1), vc.stride(2),
+                kpm_c.stride(0) if kpm_c is not None else 0, lc.stride(0), lc.stride(1),
+                L, S, D, scale * _LOG2_E,
+                IS_CAUSAL=is_causal, HAS_KPM=kpm is not None,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+                EVEN_D=block_d == D, DOT_PRECISION=_dot_precision(q.dtype),
+                num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
+            )
     return o, lse
 
 
@@ -312,36 +327,38 @@ def _backward(
     """Launch the three backward kernels; returns ``dq, dk, dv`` in the input dtype."""
     B, H, L, D = q.shape
     S = k.shape[2]
-    do = do.to(q.dtype).contiguous()  # same layout as q and o (both contiguous)
+    do = do.to(q.dtype).contiguous()  # contiguous like q and o: the kernels use q's strides for all three
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    delta = torch.empty_like(lse)  # (B, H, L) float32
+    delta = torch.empty_like(lse)  # (B, H, L) float32, same layout as lse
     block_d = _head_dim_block(D)
-    even_d = block_d == D
-    precision = _dot_precision(q.dtype)
-    kpm_arg = kpm if kpm is not None else q
-    stride_mb = kpm.stride(0) if kpm is not None else 0
-    common = dict(IS_CAUSAL=is_causal, HAS_KPM=kpm is not None, BLOCK_D=block_d, EVEN_D=even_d,
-                  DOT_PRECISION=precision, num_warps=config.bwd_num_warps,
+    common = dict(IS_CAUSAL=is_causal, HAS_KPM=kpm is not None, BLOCK_D=block_d, EVEN_D=block_d == D,
+                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.bwd_num_warps,
                   num_stages=config.bwd_num_stages, enable_fp_fusion=True)
     with _launch_context(q.device):
-        kernels._attn_bwd_preprocess[(_cdiv(L, config.block_m2), B, H)](
-            o, do, delta, q.stride(0), q.stride(1), q.stride(2), H, L, D,
-            BLOCK_M=config.block_m2, BLOCK_D=block_d, enable_fp_fusion=True,
-        )
-        kernels._attn_bwd_dkdv[(_cdiv(S, config.block_n1), B, H)](
-            q, k, v, kpm_arg, do, lse, delta, dk, dv,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            stride_mb, H, L, S, D, scale, scale * _LOG2_E,
-            BLOCK_M1=config.block_m1, BLOCK_N1=config.block_n1, **common,
-        )
-        kernels._attn_bwd_dq[(_cdiv(L, config.block_m2), B, H)](
-            q, k, v, kpm_arg, do, lse, delta, dq,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            stride_mb, H, L, S, D, scale, scale * _LOG2_E,
-            BLOCK_M2=config.block_m2, BLOCK_N2=config.block_n2, **common,
-        )
+        for bs, hs in _grid_chunks(B, H):
+            qc, kc, vc, oc, doc = q[bs, hs], k[bs, hs], v[bs, hs], o[bs, hs], do[bs, hs]
+            lc, deltac = lse[bs, hs], delta[bs, hs]
+            dqc, dkc, dvc = dq[bs, hs], dk[bs, hs], dv[bs, hs]
+            kpm_c = kpm[bs] if kpm is not None else None
+            kpm_arg = kpm_c if kpm_c is not None else qc  # unused dummy pointer without a mask
+            stride_mb = kpm_c.stride(0) if kpm_c is not None else 0
+            nb, nh = qc.shape[0], qc.shape[1]
+            q_strides = (qc.stride(0), qc.stride(1), qc.stride(2))
+            k_strides = (kc.stride(0), kc.stride(1), kc.stride(2))
+            kernels._attn_bwd_preprocess[(_cdiv(L, config.block_m2), nb, nh)](
+                oc, doc, deltac, *q_strides, lc.stride(0), lc.stride(1), L, D,
+                BLOCK_M=config.block_m2, BLOCK_D=block_d, enable_fp_fusion=True,
+            )
+            kernels._attn_bwd_dkdv[(_cdiv(S, config.block_n1), nb, nh)](
+                qc, kc, vc, kpm_arg, doc, lc, deltac, dkc, dvc, *q_strides, *k_strides,
+                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, scale * _LOG2_E,
+                BLOCK_M1=config.block_m1, BLOCK_N1=config.block_n1, **common,
+            )
+            kernels._attn_bwd_dq[(_cdiv(L, config.block_m2), nb, nh)](
+                qc, kc, vc, kpm_arg, doc, lc, deltac, dqc, *q_strides, *k_strides,
+                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, scale * _LOG2_E,
+                BLOCK_M2=config.block_m2, BLOCK_N2=config.block_n2, **common,
+            )
     return dq, dk, dv
 
 

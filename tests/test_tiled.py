@@ -104,7 +104,7 @@ MASKS = {
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["mask", "causal+mask"])
 @pytest.mark.parametrize("name", list(MASKS), ids=list(MASKS))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=str)
 def test_matches_reference_with_masks(name, is_causal, dtype):
     mask = MASKS[name]()
     _check((2, 3, 7, 5), (2, 3, 13, 5), (2, 3, 13, 11), mask=mask, dtype=dtype, is_causal=is_causal, block_q=4, block_k=6)
@@ -154,10 +154,10 @@ def test_rescaling_when_the_running_max_jumps():
 
 def test_gradcheck_float64():
     gen = torch.Generator().manual_seed(11)
-    q = torch.randn(1, 4, 5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    k = torch.randn(1, 2, 7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(1, 2, 7, 2, dtype=torch.float64, generator=gen, requires_grad=True)
-    bias = torch.randn(4, 5, 7, dtype=torch.float64, generator=gen, requires_grad=True)
+    q = torch.randn(1, 2, 5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(1, 1, 7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 1, 7, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(5, 7, dtype=torch.float64, generator=gen, requires_grad=True)
 
     def fn(q, k, v, bias):
         return tiled_attention(q, k, v, bias, is_causal=True, enable_gqa=True, block_q=2, block_k=3)

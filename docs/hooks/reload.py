@@ -30,6 +30,13 @@ def _clear_markdown_exec_sessions() -> int:
     return count
 
 
+def on_startup(command, **kwargs) -> None:
+    if command == "serve":
+        # re-importing an edited module would write its .pyc into attention_ref/__pycache__,
+        # which `watch:` sees as another change: one edit would trigger two rebuilds
+        sys.dont_write_bytecode = True
+
+
 def on_pre_build(config, **kwargs) -> None:
     dropped = [name for name in sys.modules if name == PACKAGE or name.startswith(PACKAGE + ".")]
     for name in dropped:

@@ -1,2 +1,0 @@
-"""Probe docstring FIRST (temporary file of H2, checking the serve reload hook)."""
-VALUE = "value-FIRST"

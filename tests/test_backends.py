@@ -1,0 +1,422 @@
+"""Tests of the backend dispatcher (attention_ref.backends).
+
+- Every backend that runs here (math, tiled, sdpa, and auto) agrees with the float64
+  reference on random shapes (L != S, odd sizes, broadcast batch dims, bool/float
+  masks, key padding, causal, causal + mask, GQA, fully masked rows), in its output
+  and its gradients, with a tolerance per dtype.
+- The translation to ``torch.nn.functional.scaled_dot_product_attention`` is checked
+  on the arguments torch actually receives.
+- The ``"auto"`` rule's choices, on CPU tensors and on fake CUDA tensors.
+- Every refusal raises ``ValueError`` naming the backend and the reason.
+- The routing to the Triton kernel under Triton's interpreter (tiny shapes), when
+  triton is installed; the kernel itself is tested in tests/test_triton_flash.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention_ref.functional as functional
+from attention_ref import MultiHeadAttention, backends, scaled_dot_product_attention
+from attention_ref.backends import CPU_TILED_MIN_LENGTH, select_backend
+
+RUNNABLE = ("math", "tiled", "sdpa", "auto")
+
+# (atol, rtol) against the float64 reference, per input dtype; gradients get 4x.
+TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+def _random_case(seed: int) -> dict:
+    """A random call: shapes with odd sizes, L != S mostly, and one mask kind."""
+    rng = random.Random(seed)
+    L, S = rng.choice([1, 3, 7, 13, 16]), rng.choice([1, 5, 11, 13, 17])
+    E, Ev = rng.choice([2, 5, 8]), rng.choice([3, 4, 7])
+    gqa = rng.random() < 0.3
+    H, Hkv = (6, rng.choice([1, 2, 3])) if gqa else (rng.choice([1, 3]), None)
+    lead_q = rng.choice([(), (2,), (2, H)]) if not gqa else (2, H)
+    lead_kv = lead_q if not gqa else (2, Hkv)
+    if not gqa and lead_q and rng.random() < 0.3:
+        lead_kv = (1,) * len(lead_q)  # broadcast key/value over the batch
+    batch = tuple(torch.broadcast_shapes(lead_q, lead_kv if not gqa else (2, H)))
+    gen = torch.Generator().manual_seed(seed)
+    kind = rng.choice(["none", "bool", "bool-empty-rows", "key-padding", "float", "float-inf-rows"])
+    mask = None
+    if kind.startswith("bool"):
+        mask = torch.rand(*batch[-1:], L, S, generator=gen) > 0.35
+        if kind == "bool-empty-rows":
+            mask[..., rng.randrange(L), :] = False
+    elif kind == "key-padding":
+        mask = torch.rand(*batch[:1], *([1] * max(len(batch) - 1, 0)), 1, S, generator=gen) > 0.3
+    elif kind.startswith("float"):
+        mask = torch.randn(L, S, generator=gen)
+        if kind == "float-inf-rows":
+            mask[rng.randrange(L)] = float("-inf")
+    return dict(
+        shapes=((*lead_q, L, E), (*lead_kv, S, E), (*lead_kv, S, Ev)),
+        mask=mask,
+        is_causal=rng.random() < 0.5,
+        enable_gqa=gqa,
+        scale=rng.choice([None, 0.37]),
+        desc=f"lead={lead_q}/{lead_kv} L={L} S={S} E={E} Ev={Ev} mask={kind}",
+    )
+
+
+SEEDS = list(range(16))
+
+
+def _run_and_grad(backend, case, dtype, seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    base = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in case["shapes"]]
+    kw = dict(is_causal=case["is_causal"], enable_gqa=case["enable_gqa"], scale=case["scale"])
+    mask = case["mask"]
+    leaves = [t.to(dtype).requires_grad_() for t in base]
+    cast_mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+    out = scaled_dot_product_attention(*leaves, cast_mask, backend=backend, **kw)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, leaves, g.to(dtype))
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_mask = cast_mask.double() if cast_mask is not None and cast_mask.is_floating_point() else cast_mask
+    ref = scaled_dot_product_attention(*ref_leaves, ref_mask, backend="math", **kw)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g)
+    return out, grads, ref, ref_grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("backend", RUNNABLE)
+def test_every_backend_matches_float64_reference(backend, seed, dtype):
+    case = _random_case(seed)
+    out, grads, ref, ref_grads = _run_and_grad(backend, case, dtype, seed)
+    atol, rtol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == ref.shape, case["desc"]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol, msg=lambda m: f"{case['desc']}: {m}")
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(
+            got.double(), want, atol=4 * atol, rtol=4 * rtol, msg=lambda m, n=name: f"{case['desc']} d{n}: {m}"
+        )
+
+
+def test_random_cases_cover_the_features():
+    cases = [_random_case(s) for s in SEEDS]
+    descs = " ".join(c["desc"] for c in cases)
+    for kind in ("none", "bool", "bool-empty-rows", "key-padding", "float", "float-inf-rows"):
+        assert f"mask={kind} " in descs + " ", kind
+    assert any(c["enable_gqa"] for c in cases) and any(c["is_causal"] and c["mask"] is not None for c in cases)
+    assert any(c["shapes"][0][-2] != c["shapes"][1][-2] for c in cases)
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+def test_fully_masked_rows_give_zero_and_finite_grads(backend):
+    q, k, v = (torch.randn(2, 3, n, 5, requires_grad=True) for n in (7, 13, 13))
+    mask = torch.rand(2, 1, 7, 13) > 0.3
+    mask[:, :, [0, 4]] = False
+    out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, backend=backend)
+    assert torch.equal(out[:, :, [0, 4]], torch.zeros(2, 3, 2, 5))
+    out.sum().backward()
+    assert torch.equal(q.grad[:, :, [0, 4]], torch.zeros(2, 3, 2, 5))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# --- the translation to torch's SDPA ---------------------------------------------------------
+
+
+@pytest.fixture
+def torch_sdpa_calls(monkeypatch):
+    """Record the arguments each call to torch's scaled_dot_product_attention receives."""
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def recorder(q, k, v, **kwargs):
+        calls.append(dict(q=q, k=k, v=v, **kwargs))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorder)
+    return calls
+
+
+def test_sdpa_gets_4d_inputs_and_one_combined_mask(torch_sdpa_calls):
+    q, k, v = torch.randn(3, 7, 8), torch.randn(3, 13, 8), torch.randn(3, 13, 5)
+    mask = torch.rand(3, 7, 13) > 0.3
+    out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, scale=0.3, backend="sdpa")
+    (call,) = torch_sdpa_calls
+    assert call["q"].shape == (1, 3, 7, 8) and call["k"].shape == (1, 3, 13, 8)
+    # torch refuses attn_mask with is_causal=True: the causal mask is folded into attn_mask,
+    # with the same polarity (True = takes part).
+    assert call["is_causal"] is False and call["scale"] == 0.3
+    expected = torch.ones(7, 13, dtype=torch.bool).tril() & mask
+    assert torch.equal(call["attn_mask"].expand(1, 3, 7, 13)[0], expected)
+    torch.testing.assert_close(out, scaled_dot_product_attention(q, k, v, mask, is_causal=True, scale=0.3))
+
+
+def test_sdpa_keeps_a_key_padding_mask_small(torch_sdpa_calls):
+    q = torch.randn(2, 4, 7, 8)
+    mask = torch.rand(2, 1, 1, 13) > 0.3
+    scaled_dot_product_attention(q, torch.randn(2, 4, 13, 8), torch.randn(2, 4, 13, 8), mask, backend="sdpa")
+    assert torch_sdpa_calls[0]["attn_mask"].shape == (2, 1, 1, 13)  # no (L, S) copy
+
+
+def test_sdpa_float_mask_with_causal_adds_minus_inf(torch_sdpa_calls):
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)
+    bias = torch.randn(5, 7)
+    scaled_dot_product_attention(q, k, v, bias, is_causal=True, backend="sdpa")
+    got = torch_sdpa_calls[0]["attn_mask"].reshape(5, 7)
+    expected = bias.masked_fill(~torch.ones(5, 7, dtype=torch.bool).tril(), float("-inf"))
+    assert torch.equal(got, expected)
+
+
+def test_sdpa_passes_grouped_heads_without_copying(torch_sdpa_calls):
+    q, k, v = torch.randn(2, 6, 7, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
+    out = scaled_dot_product_attention(q, k, v, enable_gqa=True, backend="sdpa")
+    call = torch_sdpa_calls[0]
+    assert call["enable_gqa"] is True and call["k"].shape == (2, 2, 13, 8)
+    torch.testing.assert_close(out, scaled_dot_product_attention(q, k, v, enable_gqa=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_fused_sdp_choice"), reason="torch._fused_sdp_choice not available")
+def test_sdpa_on_3d_cpu_inputs_reaches_torchs_flash_kernel(torch_sdpa_calls):
+    # Given 3-D inputs, torch's CPU SDPA would take its math kernel (an (L, S) matrix).
+    q = torch.randn(3, 64, 16)
+    scaled_dot_product_attention(q, q, q, backend="sdpa")
+    call = torch_sdpa_calls[0]
+    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    assert torch._fused_sdp_choice(call["q"], call["k"], call["v"], attn_mask=call["attn_mask"]) == flash
+    assert torch._fused_sdp_choice(q, q, q) != flash  # what the untranslated call would get
+
+
+def test_sdpa_fully_masked_fix_up_path():
+    # The fix-up used off-CPU (unmask empty rows, zero them after) gives the reference, on CPU too.
+    q, k, v = (torch.randn(2, 3, n, 5, dtype=torch.float64, requires_grad=True) for n in (7, 13, 13))
+    for mask in (torch.rand(2, 1, 7, 13) > 0.3, torch.randn(2, 1, 7, 13, dtype=torch.float64)):
+        if mask.dtype == torch.bool:
+            mask[:, :, 3] = False
+        else:
+            mask[:, :, 3] = float("-inf")
+        out = backends._sdpa(q, k, v, mask, is_causal=True, scale=0.4, dropout_p=0.0, enable_gqa=False,
+                             fix_fully_masked=True)
+        ref = scaled_dot_product_attention(q, k, v, mask, is_causal=True, scale=0.4)
+        torch.testing.assert_close(out, ref)
+        g = torch.randn_like(out)
+        for got, want in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+            torch.testing.assert_close(got, want)
+
+
+def test_sdpa_dropout_is_torchs_own():
+    q, k, v = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 13, 8), torch.randn(2, 3, 13, 8)
+    torch.manual_seed(0)
+    ours = scaled_dot_product_attention(q, k, v, dropout_p=0.4, backend="sdpa")
+    torch.manual_seed(0)
+    theirs = F.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    torch.testing.assert_close(ours, theirs)
+
+
+# --- validation once, errors ------------------------------------------------------------------
+
+
+def test_arguments_are_validated_once(monkeypatch):
+    calls = []
+    original = functional._prepare
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "_prepare", counting)
+    q = torch.randn(2, 7, 8)
+    for backend in RUNNABLE:
+        calls.clear()
+        scaled_dot_product_attention(q, q, q, backend=backend)
+        assert len(calls) == 1, backend
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+def test_shape_errors_are_the_cores_for_every_backend(backend):
+    with pytest.raises(ValueError, match=r"query and key must have the same last dim E"):
+        scaled_dot_product_attention(torch.randn(7, 5), torch.randn(13, 4), torch.randn(13, 4), backend=backend)
+
+
+def test_unknown_backend():
+    q = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"backend must be one of \('math', 'tiled', 'sdpa', 'triton', 'auto'\), got 'flash'"):
+        scaled_dot_product_attention(q, q, q, backend="flash")
+    with pytest.raises(TypeError, match=r"backend must be a str, one of .*, got NoneType"):
+        scaled_dot_product_attention(q, q, q, backend=None)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "sdpa", "triton"])
+def test_weights_only_from_math(backend):
+    q = torch.randn(3, 4)
+    match = rf"backend='{backend}' cannot run this call: it never forms the \(L, S\) attention weights; use backend='math'"
+    with pytest.raises(ValueError, match=match):
+        scaled_dot_product_attention(q, q, q, return_weights=True, backend=backend)
+
+
+@pytest.mark.parametrize(
+    ("backend", "match"),
+    [
+        ("tiled", r"backend='tiled' cannot run this call: dropout is not implemented in the tiled path \(dropout_p=0.1\)"),
+        ("triton", r"backend='triton' cannot run this call: the Triton kernel has no dropout \(dropout_p=0.1\)"),
+    ],
+)
+def test_dropout_refused(backend, match):
+    q = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=match):
+        scaled_dot_product_attention(q, q, q, dropout_p=0.1, backend=backend)
+
+
+def test_triton_needs_a_device_it_runs_on(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 2, 7, 16)
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run this call: the Triton kernel needs the triton package and CUDA tensors .* got tensors on cpu"):
+        scaled_dot_product_attention(q, q, q, backend="triton")
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda q: dict(attn_mask=torch.zeros(7, 7)), r"takes only boolean key-padding masks, got a float attn_mask"),
+        (lambda q: dict(attn_mask=torch.ones(7, 7, dtype=torch.bool)), r"takes only key-padding masks, .* got attn_mask of shape \(7, 7\)"),
+        (lambda q: dict(value=torch.randn(1, 2, 7, 32)), r"needs the same head size for query/key and value, got E=16, Ev=32"),
+        (lambda q: dict(query=q.double(), key=q.double(), value=q.double()), r"supports float16, bfloat16 and float32, got torch.float64"),
+        (lambda q: dict(query=q[..., :8], key=q[..., :8], value=q[..., :8]), r"supports head sizes 16..128, got E=8"),
+    ],
+    ids=["float mask", "(L, S) mask", "E != Ev", "float64", "E=8"],
+)
+def test_triton_refusals_name_the_reason(monkeypatch, make, match):
+    monkeypatch.setattr(backends, "_triton_available", lambda device: True)
+    q = torch.randn(1, 2, 7, 16)
+    args = dict(query=q, key=q, value=q)
+    args.update(make(q))
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run this call: the Triton kernel " + match):
+        scaled_dot_product_attention(**args, backend="triton")
+
+
+# --- the auto rule ---------------------------------------------------------------------------
+
+
+def test_auto_rule_on_cpu():
+    short = torch.randn(1, 2, 64, 8)
+    long_q = torch.randn(1, 1, CPU_TILED_MIN_LENGTH, 1)
+    just_below = torch.randn(1, 1, CPU_TILED_MIN_LENGTH - 1, 1)
+    assert select_backend(short, short, short) == "sdpa"
+    assert select_backend(short, short, short, return_weights=True) == "math"
+    assert select_backend(long_q, long_q, long_q) == "tiled"
+    assert select_backend(long_q, long_q, long_q, return_weights=True) == "math"
+    assert select_backend(long_q, long_q, long_q, dropout_p=0.1) == "sdpa"  # tiled has no dropout
+    assert select_backend(just_below, just_below, just_below) == "sdpa"
+    one = torch.randn(1, 1, 1, 1)
+    assert select_backend(one, long_q, long_q) == "tiled"  # max(L, S) counts: a long key sequence
+    assert select_backend(long_q, long_q, long_q, backend="sdpa") == "sdpa"  # explicit names are kept
+
+
+def test_auto_rule_on_other_devices():
+    meta = torch.empty(1, 2, CPU_TILED_MIN_LENGTH, 8, device="meta")
+    assert select_backend(meta, meta, meta) == "sdpa"  # long sequences go to tiled on CPU only
+
+
+def test_auto_with_weights_returns_the_maths_weights():
+    q, k, v = torch.randn(2, 7, 5), torch.randn(2, 13, 5), torch.randn(2, 13, 3)
+    out, w = scaled_dot_product_attention(q, k, v, backend="auto", return_weights=True)
+    ref_out, ref_w = scaled_dot_product_attention(q, k, v, return_weights=True)
+    assert torch.equal(out, ref_out) and torch.equal(w, ref_w)
+
+
+def test_auto_rule_on_cuda(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
+        pad = torch.ones(2, 1, 1, 256, device="cuda", dtype=torch.bool)
+        dense = torch.ones(256, 256, device="cuda", dtype=torch.bool)
+        monkeypatch.setattr(backends, "_triton_available", lambda device: False)
+        assert select_backend(q, q, q) == "sdpa"  # no kernel: torch's
+        monkeypatch.setattr(backends, "_triton_available", lambda device: True)
+        assert select_backend(q, q, q) == "triton"
+        assert select_backend(q, q, q, pad, is_causal=True) == "triton"
+        assert select_backend(q, q, q, return_weights=True) == "math"
+        assert select_backend(q, q, q, dense) == "sdpa"  # not a key-padding mask
+        assert select_backend(q, q, q, pad.to(q.dtype)) == "sdpa"  # float mask
+        assert select_backend(q, q, q, dropout_p=0.1) == "sdpa"
+        big = torch.empty(2, 8, 256, 256, device="cuda", dtype=torch.bfloat16)
+        assert select_backend(big, big, big) == "sdpa"  # head size outside 16..128
+        long_q = torch.empty(1, 1, CPU_TILED_MIN_LENGTH, 64, device="cuda", dtype=torch.float16)
+        assert select_backend(long_q, long_q, long_q) == "triton"  # never tiled on CUDA
+
+
+# --- MultiHeadAttention ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["tiled", "sdpa", "auto"])
+def test_multihead_backend(backend):
+    torch.manual_seed(0)
+    ref = MultiHeadAttention(16, 4, num_kv_heads=2)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend)
+    mha.load_state_dict(ref.state_dict())
+    x, mem = torch.randn(2, 7, 16), torch.randn(2, 13, 16)
+    pad = torch.rand(2, 1, 1, 13) > 0.2
+    torch.testing.assert_close(mha(x, mem, attn_mask=pad), ref(x, mem, attn_mask=pad), atol=1e-5, rtol=1e-5)
+    assert f"backend={backend!r}" in repr(mha)
+
+
+def test_multihead_backend_errors():
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        MultiHeadAttention(16, 4, backend="fast")
+    mha = MultiHeadAttention(16, 4, backend="tiled")
+    with pytest.raises(ValueError, match=r"backend='tiled' cannot run this call: it never forms"):
+        mha(torch.randn(2, 7, 16), return_weights=True)
+    mha.backend = "auto"
+    out, w = mha(torch.randn(2, 7, 16), return_weights=True)  # auto picks math for weights
+    assert w.shape == (2, 7, 7)
+
+
+# --- routing to the Triton kernel (interpreter, tiny shapes) ------------------------------------
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("attention_ref.triton_flash") is None,
+    reason="triton (pip install triton) and attention_ref.triton_flash are needed",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("shapes", "mask", "kw"),
+    [
+        (((2, 7, 16), (2, 13, 16), (2, 13, 16)), None, dict(is_causal=True)),
+        (((1, 4, 7, 16), (1, 2, 13, 16), (1, 2, 13, 16)), "pad (B, 1, 1, S)", dict(enable_gqa=True)),
+        (((2, 2, 5, 16), (2, 2, 11, 16), (2, 2, 11, 16)), "pad (B, H, 1, S) with empty", dict(is_causal=True, scale=0.3)),
+    ],
+    ids=["3-D causal", "gqa + key padding", "per-head padding + empty rows"],
+)
+def test_routing_to_triton_matches_reference(monkeypatch, shapes, mask, kw):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attention_ref.triton_flash import is_available
+
+    if not is_available("cpu"):
+        pytest.skip("Triton's interpreter cannot be switched on in this process")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*s, generator=gen, requires_grad=True) for s in shapes)
+    m = None
+    if mask == "pad (B, 1, 1, S)":
+        m = torch.rand(1, 1, 1, 13, generator=gen) > 0.3
+    elif mask is not None:
+        m = torch.rand(2, 2, 1, 11, generator=gen) > 0.3
+        m[1, 0] = False  # one (batch, head) with every key padded: its rows give 0
+    out = scaled_dot_product_attention(q, k, v, m, backend="triton", **kw)
+    ref = scaled_dot_product_attention(*(t.double() for t in (q, k, v)), m, **kw)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(scaled_dot_product_attention(q, k, v, m, **kw), (q, k, v), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    if mask is not None and "empty" in mask:
+        assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
+
