@@ -66,6 +66,7 @@ class Case:
     scale: float | None = None
     layout: str = "bhld"  # "blhd": q, k, v are transposed views (non-contiguous)
     config: tuple[int, ...] | None = None  # a _Config other than the default table's
+    max_grid: int | None = None  # split the (batch, head) grid into launches of this size
     gpu_only: bool = False  # too large for the interpreter
 
     @property
@@ -78,11 +79,14 @@ class Case:
             parts.append(self.layout)
         if self.config is not None:
             parts.append("cfg" + "x".join(map(str, self.config[:2])))
+        if self.max_grid is not None:
+            parts.append(f"grid{self.max_grid}")
         return "-".join(parts)
 
 
 CASES = [
     Case(2, 2, 16, 16, 16, "float32", False),
+    Case(2, 2, 16, 16, 16, "float32", True, "pad", max_grid=1),  # one launch per (batch, head)
     Case(2, 1, 33, 7, 16, "float32", True, "pad"),  # L > S, causal, empty rows
     Case(1, 2, 7, 33, 32, "float32", True),  # L < S, causal: keys past L never seen
     Case(2, 1, 33, 33, 64, "float32", False, "pad", scale=0.3),
@@ -155,13 +159,19 @@ def make_inputs(case: Case, device: str, seed: int):
 def run_case(case: Case, device: str) -> dict[str, object]:
     """Kernel vs float64 reference for one case: relative errors and exactness flags."""
     from attention_ref import scaled_dot_product_attention
-    from attention_ref.triton_flash import _apply, _Config
+    from attention_ref import triton_flash
 
     q, k, v, do, mask = make_inputs(case, device, seed=zlib.crc32(case.id.encode()))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    config = _Config(*case.config) if case.config is not None else None
-    out = _apply(q, k, v, case.causal, case.scale, mask, config)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    config = triton_flash._Config(*case.config) if case.config is not None else None
+    max_grid = triton_flash._MAX_GRID_YZ
+    if case.max_grid is not None:
+        triton_flash._MAX_GRID_YZ = case.max_grid
+    try:
+        out = triton_flash._apply(q, k, v, case.causal, case.scale, mask, config)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    finally:
+        triton_flash._MAX_GRID_YZ = max_grid
 
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     attn_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S)
