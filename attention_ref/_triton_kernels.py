@@ -73,7 +73,7 @@ def _attn_fwd_inner(
         if MASKED:
             ok = n_ok[None, :]
             if IS_CAUSAL:
-                ok = ok & (offs_m[:, None] > offs_n[None, :])  # MUTANT
+                ok = ok & (offs_m[:, None] >= offs_n[None, :])  # top-left aligned: j <= i
             if HAS_KPM:
                 keep = tl.load(kpm_base + offs_n, mask=n_ok, other=0)
                 ok = ok & (keep[None, :] != 0)

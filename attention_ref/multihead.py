@@ -157,6 +157,8 @@ class MultiHeadAttention(nn.Module):
             ``(B, L, embed_dim)``, or ``(output, weights)`` with weights
             ``(B, L, S)`` (averaged) or ``(B, H, L, S)`` (per head).
         """
+        if not isinstance(average_weights, bool):
+            raise TypeError(f"average_weights must be a bool, got {type(average_weights).__name__}")
         key = query if key is None else key
         value = key if value is None else value
         query = self._check_input("query", query, self.embed_dim)

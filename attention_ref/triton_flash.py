@@ -137,7 +137,7 @@ def _gpu_config(head_dim_block: int, dtype: torch.dtype) -> _Config:
     """
     if dtype == torch.float32:
         if head_dim_block <= 64:
-            return _Config(64, 32, 4, 2, 32, 64, 64, 32, 4, 2)
+            return _Config(64, 32, 8, 1, 16, 64, 64, 16, 8, 1)
         return _Config(64, 32, 8, 2, 16, 64, 64, 16, 8, 1)
     if head_dim_block <= 32:
         return _Config(128, 64, 4, 3, 32, 128, 128, 32, 4, 3)

@@ -23,12 +23,6 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 @pytest.fixture
-def tolerances() -> dict[torch.dtype, tuple[float, float]]:
-    """``{dtype: (atol, rtol)}`` for parity checks."""
-    return TOLERANCES
-
-
-@pytest.fixture
 def assert_close() -> Callable[..., None]:
     """``assert_close(actual, expected, dtype=None)`` with the tolerance of ``dtype``."""
 
