@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,7 @@ VENDOR_KATEX = ROOT / "docs" / "assets" / "vendor" / "katex"
 KATEX_FILES = ["katex.min.js", "katex.min.css", "contrib/auto-render.min.js"]
 CHROMIUM = Path("/usr/bin/chromium")
 SERVE_ADDRESS = "127.0.0.1:8000"
+os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # Material's end-of-life banner, on every build
 
 
 def say(message: str) -> None:
@@ -138,6 +140,12 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def pytest_counts(junit: Path) -> dict[str, int]:
     counts = dict.fromkeys(["tests", "failures", "errors", "skipped"], 0)
     if not junit.is_file():
@@ -163,15 +171,20 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
 
     with tempfile.TemporaryDirectory(prefix="attention-ref-check-") as tmp:
         site = Path(args.site_dir).resolve() if args.site_dir else Path(tmp) / "site"
-        say(f"strict build of the docs site into {site}")
+        env = dict(os.environ)
+        # Built for a free local address unless the caller names the published one (the docs
+        # workflow does): the site tests serve the build at the address it was built for,
+        # which Material's instant navigation needs.
+        env.setdefault("ATTENTION_REF_SITE_URL", f"http://127.0.0.1:{free_port()}/")
+        say(f"strict build of the docs site for {env['ATTENTION_REF_SITE_URL']} into {site}")
         start = time.perf_counter()
-        build = subprocess.run([str(BIN / "mkdocs"), "build", "--strict", "-d", str(site)], cwd=ROOT)
+        build = subprocess.run([str(BIN / "mkdocs"), "build", "--strict", "-d", str(site)],
+                               cwd=ROOT, env=env)
         build_ok = build.returncode == 0
         pages = len(list(site.rglob("index.html"))) if build_ok else 0
         results.append(("strict build", build_ok, time.perf_counter() - start,
                         f"{pages} pages" if build_ok else "FAILED: see the log above"))
 
-        env = dict(os.environ)
         cmd = [str(PYTHON), "-m", "pytest", f"--junitxml={Path(tmp) / 'junit.xml'}"]
         if build_ok:
             env["ATTENTION_REF_BUILT_SITE"] = str(site)  # the site tests use this very build

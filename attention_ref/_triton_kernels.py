@@ -1,16 +1,19 @@
-"""The Triton kernels behind :mod:`attention_ref.triton_flash` (read that module's docstring first).
+"""The Triton kernels behind ``attention_ref.triton_flash`` (read that module's docstring first).
 
-Not imported by anything at start-up: :mod:`attention_ref.triton_flash` loads this file on
+Not imported by anything at start-up: ``attention_ref.triton_flash`` loads this file on
 first use, once per mode, under its own module name (``..._compiled`` or ``..._interpreted``),
 because ``triton.jit`` decides when a kernel is *defined* whether it will be compiled for the
 GPU or run by Triton's interpreter (``TRITON_INTERPRET=1``). Loading a fresh copy per mode
-keeps that decision independent of import order.
+keeps that decision independent of import order (and the interpreter, which adds names of
+its own to the globals of the kernels it runs, touches only its private copy).
 
 Names follow the FlashAttention literature: ``m_i`` running row max, ``l_i`` running row
 sum, ``acc`` unnormalised output accumulator. Scores are kept in base-2 units
 (``scale * log2(e) * q.k``) so that the exponentials are ``exp2``; the saved log-sum-exp
 ``lse`` is in the same units. Shape comments use ``BLOCK_*`` tile sizes.
 """
+
+import os
 
 try:
     import triton
@@ -30,8 +33,11 @@ except ImportError:  # pragma: no cover - only tools that import every module ge
     triton = tl = _Stub()
     INTERPRETED = None
 else:
-    #: True when these kernels were defined under TRITON_INTERPRET=1 (run by the interpreter).
-    INTERPRETED = bool(triton.knobs.runtime.interpret)
+    # True when these kernels were defined under TRITON_INTERPRET=1 (run by the interpreter).
+    if hasattr(triton, "knobs"):  # triton >= 3.4
+        INTERPRETED = bool(triton.knobs.runtime.interpret)
+    else:
+        INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @triton.jit

@@ -128,17 +128,18 @@ _INTERPRETER_CONFIG = _Config(16, 16, 4, 1, 16, 16, 16, 16, 4, 1)
 
 
 def _gpu_config(head_dim_block: int, dtype: torch.dtype) -> _Config:
-    """The launch table for CUDA, tuned by reasoning for an H100 (see notes/triton.md).
+    """The launch table for CUDA, chosen for an H100 (sm_90); see notes/triton.md.
 
-    16-bit inputs: 128-row query tiles keep the tensor cores busy; the key tile shrinks
-    with the head size so that K and V tiles of ``num_stages`` pipeline stages fit in
-    shared memory (228 KB per SM on Hopper). float32 tiles are twice as large in bytes,
-    so they are halved.
+    Not yet timed on a GPU: each entry is the largest tiles whose kernels compile for
+    sm_90 without register spills (or with the fewest, for the D = 128 backward), read
+    from ptxas reports made on a CPU machine. 16-bit inputs: 128-query tiles and 8 warps
+    for the forward (``wgmma`` tensor-core instructions); the backward keeps 64 to 128
+    keys per program. float32 uses exact (non-tensor-core) products: smaller tiles.
     """
     if dtype == torch.float32:
         if head_dim_block <= 64:
             return _Config(64, 32, 8, 1, 16, 64, 64, 16, 8, 1)
-        return _Config(64, 32, 8, 2, 16, 64, 64, 16, 8, 1)
+        return _Config(32, 16, 8, 1, 16, 32, 32, 16, 8, 1)
     if head_dim_block <= 32:
         return _Config(128, 64, 4, 3, 32, 128, 128, 32, 4, 3)
     if head_dim_block <= 64:
@@ -187,7 +188,7 @@ def _kernels_for(device: torch.device) -> ModuleType:
             "tensors to a CUDA device, or set the environment variable TRITON_INTERPRET=1 "
             "(slow; for testing) before calling it."
         )
-    if device.type != "cpu" and not interpret and device.type != "cuda":
+    if device.type not in ("cpu", "cuda"):
         raise RuntimeError(
             f"flash_attention runs its Triton kernel on CUDA tensors (or CPU tensors under "
             f"TRITON_INTERPRET=1), got tensors on {device}"
@@ -216,7 +217,7 @@ def _load_kernels(interpret: bool) -> ModuleType:
 
 
 def is_available(device: torch.device | str = "cuda") -> bool:
-    """Whether :func:`flash_attention` can run on ``device`` in this process now.
+    """Whether ``flash_attention`` can run on ``device`` in this process now.
 
     True when triton imports and ``device`` is a CUDA device that torch can use, or when
     ``device`` is the CPU and ``TRITON_INTERPRET=1`` is set (Triton's interpreter).
@@ -229,8 +230,8 @@ def is_available(device: torch.device | str = "cuda") -> bool:
 
     Example:
         >>> from attention_ref.triton_flash import is_available
-        >>> isinstance(is_available("cpu"), bool)
-        True
+        >>> is_available("meta")  # no Triton kernel runs on torch's shape-only device
+        False
     """
     device = torch.device(device)
     try:
@@ -529,7 +530,7 @@ def flash_attention(
 
     Returns:
         ``(B, H, L, D)`` in ``q``'s dtype (softmax and accumulation in float32). A query
-        row where no key takes part gives output 0, and zero gradients.
+            row where no key takes part gives output 0, and zero gradients.
 
     Raises:
         TypeError: non-tensor inputs, a dtype other than float16/bfloat16/float32,
@@ -554,11 +555,11 @@ def flash_attention(
 def kernel_source(name: str) -> str:
     """The source code of one of the Triton kernels, read from ``attention_ref/_triton_kernels.py``.
 
-    Reads the file with :mod:`ast` (no triton needed), so the documentation can show the
+    Reads the file with Python's ``ast`` module (no triton needed), so the documentation can show the
     code that runs instead of a copy that could drift.
 
     Args:
-        name: a kernel defined in this module, e.g. ``"_attn_fwd_inner"``, ``"_attn_fwd"``,
+        name: a kernel defined in ``_triton_kernels.py``, e.g. ``"_attn_fwd_inner"``, ``"_attn_fwd"``,
             ``"_attn_bwd_preprocess"``, ``"_attn_bwd_dkdv_inner"``, ``"_attn_bwd_dkdv"``,
             ``"_attn_bwd_dq_inner"``, ``"_attn_bwd_dq"``, ``"_load_2d"``.
 

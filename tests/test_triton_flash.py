@@ -315,6 +315,16 @@ def test_cpu_without_interpreter_says_what_to_do(monkeypatch: pytest.MonkeyPatch
     assert triton_flash.is_available("cpu") is False
 
 
+@needs_triton
+def test_unsupported_device_is_named() -> None:
+    from attention_ref.triton_flash import flash_attention, is_available
+
+    q, k, v = (t.to("meta") for t in _qkv())
+    with pytest.raises(RuntimeError, match="got tensors on meta"):
+        flash_attention(q, k, v)
+    assert is_available("meta") is False
+
+
 def test_missing_triton_raises_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from attention_ref import triton_flash
 
