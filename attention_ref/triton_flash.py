@@ -49,10 +49,12 @@ output tile is written by exactly one program.
 
 **Where it runs.** On CUDA tensors (block sizes, warps and pipeline stages from a
 small table per head size and dtype, chosen for an H100), or on CPU tensors under
-Triton's interpreter (``TRITON_INTERPRET=1`` in the environment when the call is made;
-16 x 16 tiles; float32 and float16 only: the interpreter mishandles bfloat16). Triton is
-imported on first use, so this module imports without it, and each mode (compiled or
-interpreted) gets its own copy of the kernels, so the order of imports does not matter.
+Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before triton is first
+imported in the process, since Triton defines its own library functions then; 16 x 16 tiles;
+float32 and float16 only: the interpreter mishandles bfloat16). Triton is imported on first
+use, so this module imports without it, and each mode (compiled or interpreted) gets its own
+copy of this package's kernels. The test suite and the docs build set ``TRITON_INTERPRET=1``
+at start-up on machines without CUDA.
 float32 inputs use exact float32 dot products (``input_precision="ieee"``), not TF32.
 """
 
@@ -201,6 +203,18 @@ def _kernels_for(device: torch.device) -> ModuleType:
 
 def _load_kernels(interpret: bool) -> ModuleType:
     """A fresh copy of ``_triton_kernels.py`` whose kernels were defined in the current mode."""
+    if interpret:
+        import triton.language.standard as standard
+
+        # Triton defines its own library functions (tl.sum, tl.max, ...) when it is first
+        # imported; if that happened before TRITON_INTERPRET=1 was set, they are compiled-mode
+        # functions that an interpreted kernel cannot call.
+        if type(standard.sum).__name__ != "InterpretedFunction":
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton was first imported in this process, so "
+                "Triton's own library functions were defined for compiled kernels; set "
+                "TRITON_INTERPRET=1 before anything imports triton (e.g. at the top of the script)"
+            )
     name = f"attention_ref._triton_kernels_{'interpreted' if interpret else 'compiled'}"
     spec = importlib.util.spec_from_file_location(name, _KERNEL_FILE)
     if spec is None or spec.loader is None:  # pragma: no cover - the file ships with the package

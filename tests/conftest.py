@@ -8,8 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import os
+
 import pytest
 import torch
+
+# On a machine without CUDA, Triton kernels can only run under Triton's interpreter, and
+# TRITON_INTERPRET=1 must be set before triton is first imported in the process (the docs
+# blocks collected by tests/docs call the kernel in this process). torch does not import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch.nn.functional as F
 
 # (atol, rtol) for comparing attention_ref with PyTorch in each dtype. float64 is

@@ -10,6 +10,7 @@ from `sys.modules` and empties markdown-exec's session namespaces.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 PACKAGE = "attention_ref"
@@ -31,6 +32,12 @@ def _clear_markdown_exec_sessions() -> int:
 
 
 def on_startup(command, **kwargs) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        # Triton kernels run on the CPU only under its interpreter, which must be switched on
+        # before triton is first imported (a later page may import it before the kernel page).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if command == "serve":
         # re-importing an edited module would write its .pyc into attention_ref/__pycache__,
         # which `watch:` sees as another change: one edit would trigger two rebuilds
