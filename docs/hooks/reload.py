@@ -5,15 +5,25 @@ would keep using `attention_ref` as it was first imported, and markdown-exec ses
 the variables of the previous build. Before each build (the first one and every rebuild after an
 edit; `watch:` in mkdocs.yml makes package edits trigger one) this drops the package's modules
 from `sys.modules` and empties markdown-exec's session namespaces.
+
+Under `mkdocs serve` only, it also keeps the output of every executed block from the previous
+builds, keyed by a fingerprint of the package's source, the block's session and the code of that
+session's blocks up to and including this one. A rebuild after editing one page then executes
+only that page's changed blocks (replaying the earlier blocks of their session first, silently,
+so the namespace is right); an edit to the package changes the fingerprint and re-executes
+everything. `mkdocs build` (CI, the tests, publishing) never uses the cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 PACKAGE = "attention_ref"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 log = logging.getLogger(f"mkdocs.hooks.{__name__}")
 
 
@@ -39,6 +49,7 @@ def on_startup(command, **kwargs) -> None:
         # before triton is first imported (a later page may import it before the kernel page).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if command == "serve":
+        _install_block_cache()
         # re-importing an edited module would write its .pyc into attention_ref/__pycache__,
         # which `watch:` sees as another change: one edit would trigger two rebuilds
         sys.dont_write_bytecode = True
@@ -49,6 +60,68 @@ def on_pre_build(config, **kwargs) -> None:
     for name in dropped:
         del sys.modules[name]
     sessions = _clear_markdown_exec_sessions()
+    _CACHE_STATE["fingerprint"] = _package_fingerprint()
+    _CACHE_STATE["chains"] = {}
+    _CACHE_STATE["pending"] = {}
+    log.debug("reload hook: package fingerprint %s", _CACHE_STATE["fingerprint"][:12])
     if dropped or sessions:
         log.info("reload hook: dropped %d %s modules, cleared %d markdown-exec sessions",
                  len(dropped), PACKAGE, sessions)
+
+
+# ---- serve-only cache of executed block outputs --------------------------------------------
+
+_CACHE: dict[str, str] = {}  # key -> the block's printed output
+_CACHE_STATE: dict = {"fingerprint": "", "chains": {}, "pending": {}, "hits": 0, "runs": 0}
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _package_fingerprint() -> str:
+    files = sorted(PACKAGE_DIR.rglob("*.py"))
+    return _digest(*(f"{f.relative_to(PACKAGE_DIR)}\n{f.read_text()}" for f in files))
+
+
+def _install_block_cache() -> None:
+    from markdown_exec._internal.formatters import python as formatter
+
+    run = formatter._run_python
+    if getattr(run, "_attention_ref_cached", False):
+        return
+
+    def cached_run(code, returncode=None, session=None, id=None, **extra):  # noqa: A002
+        state = _CACHE_STATE
+        if session is None:
+            key = _digest(state["fingerprint"], "", code)
+        else:
+            chain = _digest(state["chains"].get(session, ""), code)
+            state["chains"][session] = chain
+            key = _digest(state["fingerprint"], session, chain)
+        if key in _CACHE:
+            state["hits"] += 1
+            if session is not None:  # not executed: remember it in case a later block misses
+                state["pending"].setdefault(session, []).append((code, extra))
+            return _CACHE[key]
+        if session is not None:  # bring the session's namespace up to date first
+            for earlier_code, earlier_extra in state["pending"].pop(session, []):
+                run(earlier_code, session=session, **earlier_extra)
+        output = run(code, returncode, session, id, **extra)
+        state["runs"] += 1
+        _CACHE[key] = output
+        return output
+
+    cached_run._attention_ref_cached = True
+    formatter._run_python = cached_run
+
+
+def on_post_build(config, **kwargs) -> None:
+    if _CACHE_STATE["hits"] or _CACHE_STATE["runs"]:
+        log.info("reload hook: %d blocks executed, %d served from the serve cache",
+                 _CACHE_STATE["runs"], _CACHE_STATE["hits"])
+    _CACHE_STATE["hits"] = _CACHE_STATE["runs"] = 0
