@@ -28,9 +28,19 @@ and give output 0 for a query row that no key may attend to.
 2. CUDA tensors -> ``"triton"`` when the kernel is installed and supports the
    call (no dropout, a key-padding mask or none, ``E == Ev`` in 16..128,
    float16/bfloat16/float32), otherwise ``"sdpa"``;
-3. CPU tensors with ``max(L, S) >= CPU_TILED_MIN_LENGTH`` and no dropout ->
+3. CPU tensors, ``max(L, S) >= CPU_TILED_MIN_LENGTH``, an ``attn_mask`` that
+   varies over the queries (not a key-padding mask) and no dropout ->
    ``"tiled"``;
 4. otherwise -> ``"sdpa"``.
+
+Why rule 3 is so narrow (measured with ``benchmarks/attention_bench.py --preset
+cpu``, see the "GPU path" explanation page): torch's CPU SDPA is a flash kernel
+too, faster than the tiled path and as lean without a mask, so long sequences
+alone are no reason to leave it. But given a boolean ``attn_mask`` it first
+builds a float copy of it, 4 bytes per ``(query, key)`` pair (256 MiB at
+``L = S = 8192``, 4 GiB at 32768), where the tiled path reads the mask block by
+block and stays at a few tens of MiB. A key-padding mask (one row of keys)
+costs torch nothing, so it stays on ``"sdpa"``.
 
 A backend asked for explicitly never falls back to another: a combination it
 cannot honour (weights from a fused kernel, dropout in the tiled path, a float
@@ -51,18 +61,14 @@ from attention_ref._validation import fmt_shape
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.tiled import _batch_shape, _tiled
 
-__all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "check_backend", "select_backend"]
+__all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "auto_rule", "check_backend", "select_backend"]
 
 #: Every accepted value of ``backend``.
 BACKENDS = ("math", "tiled", "sdpa", "triton", "auto")
 
-#: ``"auto"`` picks ``"tiled"`` on CPU from this sequence length (``max(L, S)``) on.
-#: Measured with ``benchmarks/attention_bench.py --preset cpu`` (see
-#: docs/explanation/gpu-path.md): torch's CPU SDPA turns a boolean mask into a float
-#: ``(L, S)`` copy and falls back to its math kernel (which forms the ``(L, S)``
-#: scores) for inputs that are not 4-D or use dropout; from this length on that
-#: copy alone is over 256 MiB per head, while the tiled path's extra memory stays
-#: a few MiB, at comparable speed.
+#: ``"auto"`` picks ``"tiled"`` on CPU for calls with a query-dependent ``attn_mask``
+#: from this sequence length (``max(L, S)``) on: there torch's CPU SDPA's float copy
+#: of the mask reaches 256 MiB (measured: ``benchmarks/attention_bench.py --preset cpu``).
 CPU_TILED_MIN_LENGTH = 8192
 
 #: Head sizes the Triton kernel is verified for.
@@ -120,9 +126,10 @@ def select_backend(
         >>> q = torch.randn(1, 8, 16, 64)
         >>> select_backend(q, q, q), select_backend(q, q, q, return_weights=True)
         ('sdpa', 'math')
-        >>> long = torch.randn(1, 1, CPU_TILED_MIN_LENGTH, 16)
-        >>> select_backend(long, long, long)
-        'tiled'
+        >>> long = torch.randn(1, 1, CPU_TILED_MIN_LENGTH, 1)
+        >>> band = torch.ones(CPU_TILED_MIN_LENGTH, CPU_TILED_MIN_LENGTH, dtype=torch.bool).tril()
+        >>> select_backend(long, long, long), select_backend(long, long, long, band)
+        ('sdpa', 'tiled')
     """
     from attention_ref._validation import check_probability
     from attention_ref.functional import _check_bool, _prepare
@@ -130,8 +137,9 @@ def select_backend(
     check_probability("dropout_p", dropout_p)
     _check_bool("return_weights", return_weights)
     check_backend(backend)
+    if value is None:
+        raise TypeError("value must be a torch.Tensor, got NoneType")
     query, key, value, mask, _ = _prepare(query, key, value, attn_mask, is_causal, None, enable_gqa, expand_gqa=False)
-    assert value is not None
     return _select(backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p,
                    return_weights=return_weights)
 
@@ -168,17 +176,58 @@ def _auto(
     dropout_p: float,
     return_weights: bool,
 ) -> str:
-    """The ``"auto"`` rule of the module docstring, in the same order."""
+    """The facts :func:`auto_rule` needs, read off the (validated) arguments."""
+    device = query.device.type
+    triton_ok = device == "cuda" and not return_weights and _unsupported(
+        "triton", query, key, value, mask, dropout_p=dropout_p, return_weights=False
+    ) is None
+    return auto_rule(
+        device_type=device,
+        length=max(query.shape[-2], key.shape[-2]),
+        query_dependent_mask=mask is not None and not _is_key_padding(mask),
+        dropout=dropout_p > 0,
+        return_weights=return_weights,
+        triton_supported=triton_ok,
+    )
+
+
+def auto_rule(
+    *,
+    device_type: str,
+    length: int,
+    query_dependent_mask: bool = False,
+    dropout: bool = False,
+    return_weights: bool = False,
+    triton_supported: bool = False,
+) -> str:
+    """The ``"auto"`` rule itself, as a function of the facts it looks at.
+
+    Args:
+        device_type: ``"cuda"``, ``"cpu"``, ...
+        length: ``max(L, S)``.
+        query_dependent_mask: an ``attn_mask`` that may differ from one query to
+            the next (its dim -2 is not 1), as opposed to a key-padding mask.
+        dropout: ``dropout_p > 0``.
+        return_weights: the weights are requested.
+        triton_supported: the Triton kernel is available on this device and
+            supports the call (dtype, head size, mask kind, no dropout).
+
+    Returns:
+        The backend ``"auto"`` runs.
+
+    Example:
+        >>> auto_rule(device_type="cuda", length=4096, triton_supported=True)
+        'triton'
+        >>> auto_rule(device_type="cpu", length=16384, query_dependent_mask=True)
+        'tiled'
+    """
     if return_weights:
-        return "math"
-    if query.device.type == "cuda":
-        usable = _unsupported(
-            "triton", query, key, value, mask, dropout_p=dropout_p, return_weights=False
-        ) is None
-        return "triton" if usable else "sdpa"
-    if query.device.type == "cpu" and max(query.shape[-2], key.shape[-2]) >= CPU_TILED_MIN_LENGTH and dropout_p == 0:
-        return "tiled"
-    return "sdpa"
+        return "math"  # 1. only the reference forms the weights
+    if device_type == "cuda":
+        return "triton" if triton_supported else "sdpa"  # 2. our kernel where it applies, else torch's
+    if device_type == "cpu" and length >= CPU_TILED_MIN_LENGTH and query_dependent_mask and not dropout:
+        return "tiled"  # 3. no float (L, S) copy of the mask
+    return "sdpa"  # 4.
 
 
 def _unsupported(

@@ -27,7 +27,10 @@ Milakov & Gimelshein 2018; Dao et al. 2022):
     \mathrm{acc} \leftarrow \alpha\, \mathrm{acc} + p\, V_{\text{block}}, \qquad
     m_i \leftarrow m_{\text{new}}
 
-and after the last block ``out = acc / l_i``. The backward pass is that of
+and after the last block ``out = acc / l_i``. As in Triton's tutorial kernel the
+exponentials are taken in base 2: ``log2(e)`` is folded into the scale once, so
+every ``exp`` is an ``exp2`` (about twice as fast on CPU) with the same result.
+The backward pass is that of
 FlashAttention-2: it keeps only the per-row log-sum-exp ``lse = m_i + log l_i``
 from the forward pass and recomputes each block of weights as
 ``exp(s - lse)``, so training needs no ``(L, S)`` tensor either.
@@ -55,6 +58,8 @@ DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 512
 
 _NEG_INF = float("-inf")
+_LOG2E = math.log2(math.e)  # scores * log2(e) turn exp(.) into exp2(.)
+_LN2 = math.log(2.0)
 
 
 def tiled_attention(
@@ -113,14 +118,16 @@ def tiled_attention(
         >>> torch.allclose(out, scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
         True
     """
-    from attention_ref.functional import _prepare  # functional imports this module's users
+    # Imported here: attention_ref.functional imports attention_ref.backends, which imports this module.
+    from attention_ref.functional import _prepare
 
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
+    if value is None:
+        raise TypeError("value must be a torch.Tensor, got NoneType")
     query, key, value, mask, resolved = _prepare(
         query, key, value, attn_mask, is_causal, scale, enable_gqa, expand_gqa=False
     )
-    assert value is not None  # _prepare keeps the value it was given
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                   block_q=block_q, block_k=block_k)
 
@@ -147,9 +154,9 @@ def _tiled(
     prefix = batch[:-1] if enable_gqa else batch  # the dims in front of the heads
     N = math.prod(prefix)
     compute = torch.promote_types(query.dtype, torch.float32)
-    # Differentiable layout changes (autograd sums broadcast dims back for us). The scale is
-    # folded into the queries once: (q * scale) @ k^T = scale * (q @ k^T).
-    q = (query.to(compute) * scale).expand(*batch, L, E)
+    # Differentiable layout changes (autograd sums broadcast dims back for us). The scale and
+    # log2(e) are folded into the queries once: (q * scale * log2 e) @ k^T = log2(e) * scores.
+    q = (query.to(compute) * (scale * _LOG2E)).expand(*batch, L, E)
     if enable_gqa:
         q = q.reshape(N * Hkv, G, L, E)  # (..., H, L, E) -> (N * Hkv, G, L, E): head h = hkv * G + g
         k = key.to(compute).expand(*prefix, Hkv, S, E).reshape(N * Hkv, S, E)
@@ -195,9 +202,10 @@ def _scores_block(
     j0: int,
     j1: int,
 ) -> torch.Tensor:
-    """Masked scores of query rows i0:i1 against keys j0:j1: ``(N * Hkv, G * bq, bk)``.
+    """Masked scores (times log2 e) of query rows i0:i1 against keys j0:j1: ``(N * Hkv, G * bq, bk)``.
 
-    ``q_blk`` is ``(N * Hkv, G * bq, E)`` (already scaled), ``k_blk`` ``(N * Hkv, bk, E)``.
+    ``q_blk`` is ``(N * Hkv, G * bq, E)`` (already scaled by ``scale * log2 e``),
+    ``k_blk`` ``(N * Hkv, bk, E)``.
     """
     # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk)
     s = torch.bmm(q_blk, k_blk.transpose(1, 2))
@@ -211,7 +219,7 @@ def _scores_block(
         if m_blk.dtype == torch.bool:
             s_view.masked_fill_(m_blk.logical_not(), _NEG_INF)
         else:
-            s_view.add_(m_blk.to(s.dtype))  # a float mask is added to the scores
+            s_view.add_(m_blk.to(s.dtype), alpha=_LOG2E)  # a float mask is added to the scores
     return s
 
 
@@ -220,8 +228,11 @@ def _blocks(L: int, block: int) -> list[tuple[int, int]]:
 
 
 class _TiledAttention(torch.autograd.Function):
-    """softmax(q k^T + mask) v over blocks; q is pre-scaled. Shapes: q (N*Hkv, G, L, E),
-    k (N*Hkv, S, E), v (N*Hkv, S, Ev), all in the compute dtype; returns (N*Hkv, G, L, Ev)."""
+    """softmax(q k^T / log2(e) + mask) v over blocks, q pre-scaled by ``scale * log2 e``.
+
+    Shapes: q (N*Hkv, G, L, E), k (N*Hkv, S, E), v (N*Hkv, S, Ev), all in the compute
+    dtype; returns (N*Hkv, G, L, Ev). ``m_i`` and ``lse`` are in log2 units.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, batch, block_q, block_k):  # type: ignore[override]
@@ -243,9 +254,9 @@ class _TiledAttention(torch.autograd.Function):
                 # A row with every score so far -inf keeps max -inf; shift it by 0 so exp gives 0, not NaN.
                 m_shift = m_new.masked_fill(m_new == _NEG_INF, 0.0)
                 # alpha rescales what was accumulated under the old max: exp(m_i - m_new).
-                alpha = torch.exp(m_i - m_shift)
+                alpha = torch.exp2(m_i - m_shift)
                 # p = exp(s - m_new): this block's unnormalised weights, in place on the scores.
-                p = s.sub_(m_shift).exp_()
+                p = s.sub_(m_shift).exp2_()
                 # l_i <- alpha * l_i + rowsum(p)
                 l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
                 # acc <- alpha * acc + p @ v_block: (NK, G*bq, bk) @ (NK, bk, Ev) -> (NK, G*bq, Ev)
@@ -255,7 +266,7 @@ class _TiledAttention(torch.autograd.Function):
             # out = acc / l_i; a row where no key took part has l_i = 0 and acc = 0: it gives 0.
             out[:, :, i0:i1] = (acc / l_i.masked_fill(l_i == 0, 1.0)).view(NK, G, bq, Ev)
             # lse = m_i + log(l_i), the log of the softmax denominator (-inf on fully masked rows).
-            lse[:, :, i0:i1] = (m_i + torch.log(l_i)).view(NK, G, bq, 1)
+            lse[:, :, i0:i1] = (m_i + torch.log2(l_i)).view(NK, G, bq, 1)
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
         ctx.options = (is_causal, batch, block_q, block_k)
@@ -290,7 +301,7 @@ class _TiledAttention(torch.autograd.Function):
                 q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)
                 s = _scores_block(q_blk, k_blk, mask, is_causal, batch, i0, i1, j0, j1)
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
-                p = s.sub_(lse[:, :, i0:i1].reshape(NK, G * bq, 1)).exp_()  # (NK, G*bq, bk)
+                p = s.sub_(lse[:, :, i0:i1].reshape(NK, G * bq, 1)).exp2_()  # (NK, G*bq, bk)
                 do_blk = d_out[:, :, i0:i1].reshape(NK, G * bq, Ev)
                 # dV_j += P^T dO: (NK, bk, G*bq) @ (NK, G*bq, Ev) -> (NK, bk, Ev)
                 dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_blk)
@@ -305,4 +316,5 @@ class _TiledAttention(torch.autograd.Function):
                 if dmask is not None:  # the mask is added to the scores: its gradient is dS
                     target = _mask_block(dmask, i0, i1, j0, j1)
                     target += ds.view(*batch, bq, bk).sum_to_size(target.shape)
-        return dq, dk, dv, dmask, None, None, None, None
+        # The scores were log2(e) * q k^T: the chain rule gives dq and dk a factor ln 2 back.
+        return dq.mul_(_LN2), dk.mul_(_LN2), dv, dmask, None, None, None, None

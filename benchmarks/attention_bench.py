@@ -31,7 +31,7 @@ Measurements:
 - peak memory: the extra bytes live at once during one call (output, saved
   tensors and gradients included, inputs excluded). CUDA:
   ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
-  CPU: torch's profiler with ``profile_memory=True`` records every CPU tensor
+  CPU: torch's (Kineto) profiler with ``profile_memory=True`` records every CPU tensor
   allocation with the allocator's running total; the peak of that total minus
   its value before the call. That counts torch tensors (what attention
   allocates), not Python objects or the allocator's own caching.
@@ -82,22 +82,24 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def _torch_sdpa(kernel: str | None) -> Callable[..., torch.Tensor]:
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, mask):
+        if mask is not None and causal:
+            raise ValueError("torch SDPA takes attn_mask or is_causal, not both")
         if kernel is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(getattr(SDPBackend, kernel)):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
     return run
 
 
 def _ours(backend: str, **tiled_blocks: int) -> Callable[..., torch.Tensor]:
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, mask):
         if tiled_blocks:
-            return tiled.tiled_attention(q, k, v, is_causal=causal, **tiled_blocks)
-        return attention_ref.scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend)
+            return tiled.tiled_attention(q, k, v, mask, is_causal=causal, **tiled_blocks)
+        return attention_ref.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, backend=backend)
 
     return run
 
@@ -127,6 +129,7 @@ class Config:
     mode: str  # "fwd" or "fwd+bwd"
     dtype: str
     group: str = "grid"
+    mask: str = "none"  # "none" or "dense": a boolean (L, S) mask shared by all heads
 
     def flops(self) -> float:
         forward = 4 * self.B * self.H * self.L * self.S * self.D / (2 if self.causal else 1)
@@ -155,12 +158,16 @@ def _inputs(cfg: Config, device: torch.device) -> tuple[torch.Tensor, ...]:
     dtype = DTYPES[cfg.dtype]
     grad = cfg.mode == "fwd+bwd"
     shapes = ((cfg.B, cfg.H, cfg.L, cfg.D), (cfg.B, cfg.H, cfg.S, cfg.D), (cfg.B, cfg.H, cfg.S, cfg.D))
-    return tuple(torch.randn(*s, generator=gen).to(device, dtype).requires_grad_(grad) for s in shapes)
+    q, k, v = (torch.randn(*s, generator=gen).to(device, dtype).requires_grad_(grad) for s in shapes)
+    mask = None
+    if cfg.mask == "dense":  # 90% of the pairs take part, a fresh pattern per row
+        mask = (torch.rand(cfg.L, cfg.S, generator=gen) > 0.1).to(device)
+    return q, k, v, mask
 
 
-def _step(impl: Callable, q, k, v, cfg: Config, d_out: list) -> None:
+def _step(impl: Callable, q, k, v, mask, cfg: Config, d_out: list) -> None:
     """One forward (and backward) call; the output is dropped before returning."""
-    out = impl(q, k, v, cfg.causal)
+    out = impl(q, k, v, cfg.causal, mask)
     if cfg.mode == "fwd+bwd":
         if not d_out:
             d_out.append(torch.randn_like(out))
@@ -184,12 +191,14 @@ def _time_once(fn: Callable[[], None], device: torch.device) -> float:
 def cpu_peak_bytes(fn: Callable[[], None]) -> int:
     """Extra peak of torch CPU tensor allocations during ``fn()`` (torch's profiler records)."""
     from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.autograd.profiler import profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # The autograd profiler front end of the same Kineto profiler: it records the same
+    # allocation events without the start-up cost of torch.profiler.profile.
+    with profile(use_kineto=True, profile_memory=True) as prof:
         fn()
     events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         stack.extend(node.children)
@@ -265,7 +274,7 @@ def run_configs(
     total = sum(len(impls) * (repeats + warmup + int(memory)) for _ in configs)
     bar = tqdm(total=total, desc="attention bench", unit="call", disable=not progress) if tqdm else None
     for cfg in configs:
-        q, k, v = _inputs(cfg, device)
+        q, k, v, mask = _inputs(cfg, device)
         by_impl = {name: Result(cfg, name) for name in impls}
         live = []
         for name in impls:
@@ -279,7 +288,7 @@ def run_configs(
         d_out: list = []
 
         def call(name: str) -> None:
-            _step(IMPLS[name], q, k, v, cfg, d_out)
+            _step(IMPLS[name], q, k, v, mask, cfg, d_out)
 
         for phase, count in (("warmup", warmup), ("timed", repeats)):
             for _ in range(count):
@@ -322,7 +331,7 @@ def run_configs(
                 if r.tflops and ref is not None and ref.tflops:
                     setattr(r, attr, r.tflops / ref.tflops)
         results.extend(by_impl.values())
-        del q, k, v, d_out
+        del q, k, v, mask, d_out
     if bar:
         bar.close()
     return results
@@ -352,8 +361,10 @@ def run_cpu_preset(args: argparse.Namespace, device: torch.device) -> dict:
                   for mode in args.modes for causal in (False, True)]
     out["throughput"] = run_configs(throughput, ["torch-sdpa", "tiled", "sdpa"], device,
                                     repeats=args.repeats, warmup=args.warmup, memory=True)
-    # 2. Sweep over L (forward): time and extra memory of tiled vs torch SDPA vs math.
-    sweep = [Config(1, H, L, L, D, False, "fwd", dtype, "sweep") for L in args.sweep_lengths]
+    # 2. Sweep over L (forward), without a mask and with a dense boolean (L, S) mask: time and
+    #    extra memory of tiled vs torch SDPA vs math; the basis of the auto rule's threshold.
+    sweep = [Config(1, H, L, L, D, False, "fwd", dtype, "sweep", mask)
+             for mask in ("none", "dense") for L in args.sweep_lengths]
     out["sweep"] = run_configs(sweep, ["torch-sdpa", "tiled", "math"], device,
                                repeats=max(1, args.repeats // 2), warmup=1, memory=True)
     # 3. Memory at L = 32768: one forward call of the tiled path (and torch SDPA) under the
@@ -450,13 +461,13 @@ def _jsonable(obj):
 
 
 def _table(results: list[Result]) -> str:
-    lines = [f"{'group':<10} {'impl':<22} {'L':>6} {'D':>4} {'causal':>6} {'mode':>8} {'ms':>10} "
+    lines = [f"{'group':<10} {'impl':<22} {'L':>6} {'D':>4} {'causal':>6} {'mask':>5} {'mode':>8} {'ms':>10} "
              f"{'TFLOP/s':>8} {'peak MiB':>9} {'vs torch':>8}  status"]
     for r in results:
         c = r.config
         fmt = lambda x, f: (f % x) if x is not None else "-"  # noqa: E731
         lines.append(
-            f"{c.group:<10} {r.impl:<22} {c.L:>6} {c.D:>4} {str(c.causal):>6} {c.mode:>8} "
+            f"{c.group:<10} {r.impl:<22} {c.L:>6} {c.D:>4} {str(c.causal):>6} {c.mask:>5} {c.mode:>8} "
             f"{fmt(r.time_s and r.time_s * 1e3, '%.1f'):>10} {fmt(r.tflops, '%.3f'):>8} "
             f"{fmt(r.peak_bytes and r.peak_bytes / 2**20, '%.1f'):>9} {fmt(r.ratio_to_torch_sdpa, '%.2f'):>8}  {r.status}"
         )

@@ -307,23 +307,30 @@ def test_triton_refusals_name_the_reason(monkeypatch, make, match):
 
 
 def test_auto_rule_on_cpu():
+    n = CPU_TILED_MIN_LENGTH
     short = torch.randn(1, 2, 64, 8)
-    long_q = torch.randn(1, 1, CPU_TILED_MIN_LENGTH, 1)
-    just_below = torch.randn(1, 1, CPU_TILED_MIN_LENGTH - 1, 1)
+    long_q = torch.randn(1, 1, n, 1)
+    dense = torch.ones(n, 1, dtype=torch.bool)  # (L, 1): may vary over queries, unlike key padding
+    pad = torch.ones(1, 1, 1, n, dtype=torch.bool)
     assert select_backend(short, short, short) == "sdpa"
     assert select_backend(short, short, short, return_weights=True) == "math"
-    assert select_backend(long_q, long_q, long_q) == "tiled"
-    assert select_backend(long_q, long_q, long_q, return_weights=True) == "math"
-    assert select_backend(long_q, long_q, long_q, dropout_p=0.1) == "sdpa"  # tiled has no dropout
-    assert select_backend(just_below, just_below, just_below) == "sdpa"
-    one = torch.randn(1, 1, 1, 1)
-    assert select_backend(one, long_q, long_q) == "tiled"  # max(L, S) counts: a long key sequence
-    assert select_backend(long_q, long_q, long_q, backend="sdpa") == "sdpa"  # explicit names are kept
+    assert select_backend(long_q, long_q, long_q) == "sdpa"  # no mask: torch's CPU kernel is lean
+    assert select_backend(long_q, long_q, long_q, pad) == "sdpa"  # key padding: no (L, S) copy either
+    assert select_backend(long_q, long_q, long_q, dense) == "tiled"
+    assert select_backend(long_q, long_q, long_q, dense.float()) == "tiled"
+    assert select_backend(long_q, long_q, long_q, dense, return_weights=True) == "math"
+    assert select_backend(long_q, long_q, long_q, dense, dropout_p=0.1) == "sdpa"  # tiled has no dropout
+    below = torch.randn(1, 1, n - 1, 1)
+    assert select_backend(below, below, below, dense[1:]) == "sdpa"
+    one = torch.randn(1, 1, 2, 1)
+    assert select_backend(one, long_q, long_q, dense[:2]) == "tiled"  # max(L, S) counts
+    assert select_backend(long_q, long_q, long_q, dense, backend="sdpa") == "sdpa"  # explicit names are kept
 
 
 def test_auto_rule_on_other_devices():
     meta = torch.empty(1, 2, CPU_TILED_MIN_LENGTH, 8, device="meta")
-    assert select_backend(meta, meta, meta) == "sdpa"  # long sequences go to tiled on CPU only
+    dense = torch.ones(CPU_TILED_MIN_LENGTH, CPU_TILED_MIN_LENGTH, dtype=torch.bool, device="meta")
+    assert select_backend(meta, meta, meta, dense) == "sdpa"  # rule 3 is for CPU tensors only
 
 
 def test_auto_with_weights_returns_the_maths_weights():
@@ -351,8 +358,11 @@ def test_auto_rule_on_cuda(monkeypatch):
         assert select_backend(q, q, q, dropout_p=0.1) == "sdpa"
         big = torch.empty(2, 8, 256, 256, device="cuda", dtype=torch.bfloat16)
         assert select_backend(big, big, big) == "sdpa"  # head size outside 16..128
-        long_q = torch.empty(1, 1, CPU_TILED_MIN_LENGTH, 64, device="cuda", dtype=torch.float16)
-        assert select_backend(long_q, long_q, long_q) == "triton"  # never tiled on CUDA
+        n = CPU_TILED_MIN_LENGTH
+        long_q = torch.empty(1, 1, n, 64, device="cuda", dtype=torch.float16)
+        dense = torch.ones(n, n, device="cuda", dtype=torch.bool)
+        assert select_backend(long_q, long_q, long_q) == "triton"
+        assert select_backend(long_q, long_q, long_q, dense) == "sdpa"  # never tiled on CUDA
 
 
 # --- MultiHeadAttention ----------------------------------------------------------------------

@@ -198,6 +198,8 @@ def test_block_size_errors(kwargs, error, match):
 
 
 def test_validation_is_the_core_one():
+    with pytest.raises(TypeError, match=r"value must be a torch.Tensor, got NoneType"):
+        tiled_attention(torch.randn(7, 5), torch.randn(13, 5), None)
     with pytest.raises(ValueError, match=r"query and key must have the same last dim E"):
         tiled_attention(torch.randn(7, 5), torch.randn(13, 3), torch.randn(13, 3))
     with pytest.raises(ValueError, match=r"attn_mask must be broadcastable to \(\.\.\., L, S\) = \(7, 13\)"):
