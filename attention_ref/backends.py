@@ -25,9 +25,13 @@ and give output 0 for a query row that no key may attend to.
 
 1. weights requested (``return_weights=True``) -> ``"math"``, the only path
    that forms them;
-2. CUDA tensors -> ``"triton"`` when the kernel is installed and supports the
-   call (no dropout, a key-padding mask or none, ``E == Ev`` in 16..128,
-   float16/bfloat16/float32), otherwise ``"sdpa"``;
+2. CUDA tensors -> ``"triton"`` when the kernel has been verified on a GPU
+   (``TRITON_VERIFIED_ON_GPU``), is installed and supports the call (no
+   dropout, a key-padding mask or none, ``E == Ev`` in 16..128,
+   float16/bfloat16/float32), otherwise ``"sdpa"``. In this release
+   ``TRITON_VERIFIED_ON_GPU`` is False: the kernel has only run under Triton's
+   interpreter, so ``"auto"`` uses torch's fused kernels on CUDA and the Triton
+   kernel runs only when asked for by name;
 3. CPU tensors, ``max(L, S) >= CPU_TILED_MIN_LENGTH``, an ``attn_mask`` that
    varies over the queries (not a key-padding mask) and no dropout ->
    ``"tiled"``;
@@ -61,7 +65,7 @@ from attention_ref._validation import fmt_shape
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.tiled import _batch_shape, _tiled
 
-__all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "auto_rule", "check_backend", "select_backend"]
+__all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "TRITON_VERIFIED_ON_GPU", "auto_rule", "check_backend", "select_backend"]
 
 #: Every accepted value of ``backend``.
 BACKENDS = ("math", "tiled", "sdpa", "triton", "auto")
@@ -70,6 +74,12 @@ BACKENDS = ("math", "tiled", "sdpa", "triton", "auto")
 #: from this sequence length (``max(L, S)``) on: there torch's CPU SDPA's float copy
 #: of the mask reaches 256 MiB (measured: ``benchmarks/attention_bench.py --preset cpu``).
 CPU_TILED_MIN_LENGTH = 8192
+
+#: Whether the Triton kernel's tests (``tests/test_triton_flash.py``, bfloat16 and large
+#: shapes included) and the GPU benchmark (Triton at least as fast as torch's flash backend)
+#: have passed on a real GPU. Until then ``"auto"`` never picks the kernel: it is reached
+#: only with ``backend="triton"``. No GPU run has happened yet, so it is False.
+TRITON_VERIFIED_ON_GPU = False
 
 #: Head sizes the Triton kernel is verified for.
 TRITON_HEAD_DIMS = (16, 128)
@@ -178,7 +188,7 @@ def _auto(
 ) -> str:
     """The facts :func:`auto_rule` needs, read off the (validated) arguments."""
     device = query.device.type
-    triton_ok = device == "cuda" and not return_weights and _unsupported(
+    triton_ok = TRITON_VERIFIED_ON_GPU and device == "cuda" and not return_weights and _unsupported(
         "triton", query, key, value, mask, dropout_p=dropout_p, return_weights=False
     ) is None
     return auto_rule(
@@ -209,8 +219,9 @@ def auto_rule(
             the next (its dim -2 is not 1), as opposed to a key-padding mask.
         dropout: ``dropout_p > 0``.
         return_weights: the weights are requested.
-        triton_supported: the Triton kernel is available on this device and
-            supports the call (dtype, head size, mask kind, no dropout).
+        triton_supported: the Triton kernel is verified on GPUs
+            (``TRITON_VERIFIED_ON_GPU``), available on this device and supports
+            the call (dtype, head size, mask kind, no dropout).
 
     Returns:
         The backend ``"auto"`` runs.
