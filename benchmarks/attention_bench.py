@@ -259,6 +259,10 @@ def _skip_reason(impl: str, cfg: Config, device: torch.device) -> str | None:
     return None
 
 
+#: Whether run_configs shows its progress bar unless told otherwise (``--no-progress`` clears it).
+_SHOW_PROGRESS = True
+
+
 def run_configs(
     configs: list[Config],
     impls: list[str],
@@ -267,11 +271,12 @@ def run_configs(
     repeats: int,
     warmup: int,
     memory: bool,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> list[Result]:
     """Time every impl on every config (round-robin per config); optionally measure peak memory."""
     results: list[Result] = []
     total = sum(len(impls) * (repeats + warmup + int(memory)) for _ in configs)
+    progress = _SHOW_PROGRESS if progress is None else progress
     bar = tqdm(total=total, desc="attention bench", unit="call", disable=not progress) if tqdm else None
     for cfg in configs:
         q, k, v, mask = _inputs(cfg, device)
@@ -498,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    global _SHOW_PROGRESS
+    _SHOW_PROGRESS = not args.no_progress
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
