@@ -1,0 +1,136 @@
+"""The built site in headless Chromium, served on 127.0.0.1 with no network.
+
+Every page (one test per Markdown page) loads with no console error, no failed request and no
+request to another host; its math is typeset by KaTeX; pages whose executed blocks inline a
+figure (``to_svg(``) show an SVG. Instant navigation keeps working (math typeset after it) and
+the search finds a page offline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def _find_blocks():
+    # the docs-block collector's fence parser (tests/docs/conftest.py)
+    spec = importlib.util.spec_from_file_location("docs_blocks_parser", ROOT / "tests/docs/conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.find_blocks
+
+
+find_blocks = _find_blocks()
+SOURCES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+
+
+def page_path(source: str) -> str:
+    """URL path of a page relative to the site root (mkdocs' use_directory_urls)."""
+    stem = source.removesuffix(".md")
+    if stem == "index" or stem.endswith("/index"):
+        return stem.removesuffix("index")
+    return stem + "/"
+
+
+def shows_figure(source: str) -> bool:
+    """Whether an executed block of the page inlines a figure as SVG."""
+    return any(re.search(r"\bto_svg\(", block.code) for block in find_blocks(DOCS / source))
+
+
+def built_page(built_site: Path, source: str) -> Path:
+    html = built_site / page_path(source) / "index.html"
+    if not html.is_file():
+        if os.environ.get("ATTENTION_REF_MKDOCS_CONFIG"):
+            pytest.skip(f"{source} is not in this build (ATTENTION_REF_MKDOCS_CONFIG)")
+        pytest.fail(f"{source} was not built: no {html}")
+    return html
+
+
+UNTYPESET_MATH = """() => [...document.querySelectorAll('.arithmatex')]
+  .filter(el => !el.querySelector('.katex') || el.querySelector('.katex-error')
+    || [...el.childNodes].some(n => n.nodeType === Node.TEXT_NODE && /\\\\[\\(\\[]/.test(n.textContent)))
+  .map(el => el.outerHTML.slice(0, 160))"""
+
+
+def assert_clean(page, site_url: str) -> None:
+    """No console error, no failed response, no request that leaves the local server."""
+    host = urllib.parse.urlsplit(site_url).hostname
+    outside = [url for url in page.requests
+               if urllib.parse.urlsplit(url).scheme in ("http", "https", "ws", "wss")
+               and urllib.parse.urlsplit(url).hostname != host]
+    assert not outside, f"requests that leave {host}: {outside}"
+    assert not page.failed_responses, f"failed requests: {page.failed_responses}"
+    assert not page.console_errors, "\n".join(page.console_errors)
+
+
+def assert_math_typeset(page) -> None:
+    count = page.locator(".arithmatex").count()
+    if count:
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.arithmatex')].every(el => el.querySelector('.katex'))")
+        bad = page.evaluate(UNTYPESET_MATH)
+        assert not bad, f"{len(bad)} of {count} formulas not typeset on {page.url}: {bad[:5]}"
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_page(page, site_url: str, built_site: Path, source: str):
+    html = built_page(built_site, source).read_text(encoding="utf-8")
+    page.goto(site_url + page_path(source))
+    page.wait_for_load_state("networkidle")
+    assert page.locator("article.md-content__inner").count() == 1
+    assert_clean(page, site_url)
+    if 'class="arithmatex"' in html:
+        assert page.locator(".arithmatex").count() > 0
+        assert_math_typeset(page)
+        assert page.locator(".arithmatex .katex").count() > 0
+    if shows_figure(source):
+        sizes = page.evaluate("""() => [...document.querySelectorAll('article svg')]
+            .map(svg => svg.getBoundingClientRect()).map(r => [r.width, r.height])""")
+        figures = [s for s in sizes if s[0] >= 150 and s[1] >= 100]
+        assert figures, f"{source} runs to_svg( but shows no SVG figure (svg sizes: {sizes})"
+
+
+def test_figure_detection_reads_executed_blocks(tmp_path: Path):
+    page = tmp_path / "p.md"
+    page.write_text('```python\nto_svg(fig)\n```\n\n```python exec="on"\nprint(1)\n```\n')
+    assert not any("to_svg(" in b.code for b in find_blocks(page))
+    page.write_text('```python exec="on" html="1"\nprint(viz.to_svg(fig))\n```\n')
+    assert any(re.search(r"\bto_svg\(", b.code) for b in find_blocks(page))
+
+
+def test_instant_navigation_typesets_math(page, site_url: str, built_site: Path, instant_navigate):
+    with_math = [s for s in SOURCES if s != "index.md"
+                 and 'class="arithmatex"' in built_page(built_site, s).read_text(encoding="utf-8")]
+    assert with_math, "no page with math"
+    page.goto(site_url)
+    page.wait_for_load_state("networkidle")
+    target = site_url + page_path(with_math[0])
+    assert instant_navigate(target), (
+        f"Material reloaded {target} instead of swapping it in (instant navigation): is the "
+        "site served at the site_url it was built for?")
+    assert page.locator(".arithmatex").count() > 0
+    assert_math_typeset(page)
+    assert_clean(page, site_url)
+
+
+def test_search_finds_a_page_offline(page, site_url: str):
+    query, expected = "padding_mask_from_tokens", "reference/masks/"
+    page.goto(site_url)
+    page.wait_for_load_state("networkidle")
+    page.locator(".md-search__input").click()
+    page.locator(".md-search__input").press_sequentially(query)  # Material listens to keys
+    results = page.locator(".md-search-result__item a")
+    results.first.wait_for()
+    hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
+    assert any(expected in (href or "") for href in hrefs), hrefs
+    assert_clean(page, site_url)
