@@ -1,27 +1,22 @@
-r"""The backends of :func:`attention_ref.scaled_dot_product_attention` and the rule that picks one.
+r"""The backends of `attention_ref.scaled_dot_product_attention` and the rule that picks one.
 
 ``scaled_dot_product_attention(..., backend=NAME)`` validates its arguments
 once, then hands clean tensors to one of these implementations. Each equals
 the reference (``"math"``) within floating-point tolerance, and the tests hold
 it to that on random shapes, masks and dtypes.
 
-========== ============================================== ======= ============== ======= ==============
-backend    what it is                                     weights masks          dropout devices
-========== ============================================== ======= ============== ======= ==============
-``math``   the reference: forms the ``(L, S)`` scores      yes     bool, float    yes     any
-``tiled``  :mod:`attention_ref.tiled`, online softmax      no      bool, float    no      any
-``sdpa``   ``torch.nn.functional.scaled_dot_product_       no      bool, float    yes     any
-           attention`` (flash / memory-efficient / cuDNN
-           kernels on CUDA, a flash kernel on CPU)
-``triton`` :mod:`attention_ref.triton_flash`, this         no      key padding    no      CUDA (or the
-           package's Triton kernel                                (bool)                 interpreter)
-========== ============================================== ======= ============== ======= ==============
+| backend | what it is | weights | masks | dropout | devices |
+|---|---|---|---|---|---|
+| ``math`` | the reference: forms the ``(L, S)`` scores | yes | bool, float | yes | any |
+| ``tiled`` | `attention_ref.tiled`, online softmax | no | bool, float | no | any |
+| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no | bool, float | yes | any |
+| ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no | key padding (bool) | no | CUDA (or the interpreter) |
 
 All of them support ``is_causal`` (top-left aligned, combined with
 ``attn_mask``), ``scale``, grouped-query heads (``enable_gqa``) and autograd,
 and give output 0 for a query row that no key may attend to.
 
-``"auto"`` is a fixed rule, checked in this order (see :func:`select_backend`):
+``"auto"`` is a fixed rule, checked in this order (see `select_backend`):
 
 1. weights requested (``return_weights=True``) -> ``"math"``, the only path
    that forms them;
@@ -93,7 +88,7 @@ def check_backend(backend: object) -> str:
         TypeError: not a string.
         ValueError: an unknown name.
 
-    Example:
+    Examples:
         >>> check_backend("tiled")
         'tiled'
     """
@@ -116,7 +111,7 @@ def select_backend(
     enable_gqa: bool = False,
     return_weights: bool = False,
 ) -> str:
-    """The backend :func:`attention_ref.scaled_dot_product_attention` would run for these arguments.
+    """The backend `attention_ref.scaled_dot_product_attention` would run for these arguments.
 
     Takes the same arguments (and validates them the same way). For
     ``backend="auto"`` it applies the rule of this module's docstring; for an
@@ -129,9 +124,9 @@ def select_backend(
     Raises:
         ValueError: an unknown backend, or one that cannot honour the
             arguments (the message names it and says why); the validation
-            errors of :func:`attention_ref.scaled_dot_product_attention`.
+            errors of `attention_ref.scaled_dot_product_attention`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> q = torch.randn(1, 8, 16, 64)
         >>> select_backend(q, q, q), select_backend(q, q, q, return_weights=True)
@@ -149,7 +144,7 @@ def select_backend(
     check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    query, key, value, mask, _ = _prepare(query, key, value, attn_mask, is_causal, None, enable_gqa, expand_gqa=False)
+    query, key, value, mask, _ = _prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
     return _select(backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p,
                    return_weights=return_weights)
 
@@ -186,7 +181,7 @@ def _auto(
     dropout_p: float,
     return_weights: bool,
 ) -> str:
-    """The facts :func:`auto_rule` needs, read off the (validated) arguments."""
+    """The facts `auto_rule` needs, read off the (validated) arguments."""
     device = query.device.type
     triton_ok = TRITON_VERIFIED_ON_GPU and device == "cuda" and not return_weights and _unsupported(
         "triton", query, key, value, mask, dropout_p=dropout_p, return_weights=False
@@ -226,7 +221,7 @@ def auto_rule(
     Returns:
         The backend ``"auto"`` runs.
 
-    Example:
+    Examples:
         >>> auto_rule(device_type="cuda", length=4096, triton_supported=True)
         'triton'
         >>> auto_rule(device_type="cpu", length=16384, query_dependent_mask=True)
@@ -421,7 +416,7 @@ def _triton(
     scale: float,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """Call :func:`attention_ref.triton_flash.flash_attention` on ``(N, 1, L, D)`` tensors.
+    """Call `attention_ref.triton_flash.flash_attention` on ``(N, 1, L, D)`` tensors.
 
     Every leading dim (batch and heads) goes to the kernel's batch axis, so a
     key-padding mask may differ per batch entry and per head: it becomes the

@@ -37,7 +37,7 @@ def _nonneg(**sizes: int) -> None:
 def causal_pairs(L: int, S: int) -> int:
     r"""Number of (query, key) pairs kept by a top-left causal mask.
 
-    Query ``i`` sees keys ``0..min(i, S-1)``: :math:`\sum_{i<L} \min(i+1, S)`,
+    Query ``i`` sees keys ``0..min(i, S-1)``: $\sum_{i<L} \min(i+1, S)$,
     which is ``L (L + 1) / 2`` when ``L = S``.
 
     Examples:

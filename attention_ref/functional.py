@@ -68,13 +68,13 @@ def _expand_kv_heads(query: torch.Tensor, kv: torch.Tensor, name: str) -> torch.
 
 
 def _check_qk(
-    query: object, key: object, value: object | None, enable_gqa: bool, expand_gqa: bool = True
+    query: object, key: object, value: object | None, enable_gqa: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
     """Validate query/key(/value); return them and the batch shape.
 
-    With ``enable_gqa``, the key/value heads are expanded to the query heads
-    unless ``expand_gqa=False`` (the fused backends take the grouped heads as
-    they are); the batch shape is that of the expanded heads either way.
+    With ``enable_gqa`` the grouped key/value heads are returned as they are (the
+    fused backends take them so; the math path expands them with
+    ``_expand_kv_heads``), and the batch shape counts them as the query heads.
     """
     query = require_float_tensor("query", query, 2, "(..., L, E)")
     key = require_float_tensor("key", key, 2, "(..., S, E)")
@@ -101,10 +101,6 @@ def _check_qk(
                 f"got key {fmt_shape(key.shape)} and value {fmt_shape(value.shape)}"
             )
         _kv_group(query, key, "key")
-        if expand_gqa:
-            key = _expand_kv_heads(query, key, "key")
-            if value is not None:
-                value = _expand_kv_heads(query, value, "value")
     leading = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
     # Leading dims as the math sees them: grouped key/value heads count as the query heads.
     lead_shapes = [query.shape[:-2]] + [
@@ -193,12 +189,11 @@ def _prepare(
     is_causal: object,
     scale: object,
     enable_gqa: object,
-    expand_gqa: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
     """Validate every argument; return (query, key, value, mask, scale) ready for the math."""
     _check_bool("is_causal", is_causal)
     check_scale(scale)  # type: ignore[arg-type]
-    query, key, value, batch = _check_qk(query, key, value, enable_gqa, expand_gqa)  # type: ignore[arg-type]
+    query, key, value, batch = _check_qk(query, key, value, enable_gqa)  # type: ignore[arg-type]
     L, S = query.shape[-2], key.shape[-2]
     mask = _check_mask(attn_mask, query, (*batch, L, S))
     resolved = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)  # type: ignore[arg-type]
@@ -247,6 +242,8 @@ def attention_weights(
         True
     """
     query, key, _, mask, resolved = _prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
+    if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
+        key = _expand_kv_heads(query, key, "key")
     weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved))
     return weights.to(query.dtype)
 
@@ -288,7 +285,7 @@ def scaled_dot_product_attention(
         return_weights: also return the weights the output was computed from
             (after dropout). Only the ``"math"`` backend can (``"auto"`` picks it).
         backend: which implementation computes the result, see
-            :mod:`attention_ref.backends`: ``"math"`` (this reference, the
+            `attention_ref.backends`: ``"math"`` (this reference, the
             default), ``"tiled"`` (online softmax in PyTorch, memory linear in
             ``S``), ``"sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``),
             ``"triton"`` (this package's Triton kernel) or ``"auto"`` (a fixed rule:
@@ -319,9 +316,7 @@ def scaled_dot_product_attention(
     _backends.check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    query, key, value, mask, resolved = _prepare(
-        query, key, value, attn_mask, is_causal, scale, enable_gqa, expand_gqa=False
-    )
+    query, key, value, mask, resolved = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
     chosen = _backends._select(
         backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, return_weights=return_weights

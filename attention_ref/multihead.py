@@ -42,7 +42,7 @@ class MultiHeadAttention(nn.Module):
         backend: the attention backend, passed to
             `attention_ref.scaled_dot_product_attention` (``"math"``,
             ``"tiled"``, ``"sdpa"``, ``"triton"`` or ``"auto"``; see
-            :mod:`attention_ref.backends`). Only ``"math"`` (or ``"auto"``, which
+            `attention_ref.backends`). Only ``"math"`` (or ``"auto"``, which
             then picks it) can return weights.
 
     Attributes:

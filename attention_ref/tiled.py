@@ -1,6 +1,6 @@
 r"""Tiled attention: the FlashAttention algorithm in plain PyTorch.
 
-The reference path (:func:`attention_ref.scaled_dot_product_attention` with
+The reference path (`attention_ref.scaled_dot_product_attention` with
 ``backend="math"``) forms the whole ``(L, S)`` score matrix per head. This
 module never does: it walks over blocks of ``block_q`` queries and, for each,
 over blocks of ``block_k`` keys, and keeps per query row only three running
@@ -12,20 +12,20 @@ attention tutorial):
 - ``acc``: the running sum of ``exp(score - m_i) * v``, rescaled whenever
   ``m_i`` grows.
 
-When a new block of scores :math:`s` arrives (online softmax,
+When a new block of scores $s$ arrives (online softmax,
 Milakov & Gimelshein 2018; Dao et al. 2022):
 
-.. math::
+$$
+m_{\text{new}} = \max(m_i, \max_j s_j), \qquad
+\alpha = e^{m_i - m_{\text{new}}}, \qquad
+p_j = e^{s_j - m_{\text{new}}}
+$$
 
-    m_{\text{new}} = \max(m_i, \max_j s_j), \qquad
-    \alpha = e^{m_i - m_{\text{new}}}, \qquad
-    p_j = e^{s_j - m_{\text{new}}}
-
-.. math::
-
-    l_i \leftarrow \alpha\, l_i + \textstyle\sum_j p_j, \qquad
-    \mathrm{acc} \leftarrow \alpha\, \mathrm{acc} + p\, V_{\text{block}}, \qquad
-    m_i \leftarrow m_{\text{new}}
+$$
+l_i \leftarrow \alpha\, l_i + \textstyle\sum_j p_j, \qquad
+\mathrm{acc} \leftarrow \alpha\, \mathrm{acc} + p\, V_{\text{block}}, \qquad
+m_i \leftarrow m_{\text{new}}
+$$
 
 and after the last block ``out = acc / l_i``. As in Triton's tutorial kernel the
 exponentials are taken in base 2: ``log2(e)`` is folded into the scale once, so
@@ -76,7 +76,7 @@ def tiled_attention(
 ) -> torch.Tensor:
     r"""Attention computed block by block with an online softmax; never forms ``(L, S)``.
 
-    Equals :func:`attention_ref.scaled_dot_product_attention` with
+    Equals `attention_ref.scaled_dot_product_attention` with
     ``backend="math"`` (the reference) for every argument it takes, within
     floating-point rounding: same masks, same causal alignment, same
     grouped-query heads, same result (0) for a query row that no key may
@@ -106,11 +106,11 @@ def tiled_attention(
         ``(..., L, Ev)`` in ``query``'s dtype, computed in at least float32.
 
     Raises:
-        ValueError, TypeError: as :func:`attention_ref.scaled_dot_product_attention`
+        ValueError, TypeError: as `attention_ref.scaled_dot_product_attention`
             (the same validation runs), and for block sizes that are not
             positive ints.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import scaled_dot_product_attention
         >>> q, k, v = torch.randn(2, 7, 8), torch.randn(2, 13, 8), torch.randn(2, 13, 4)
@@ -125,9 +125,7 @@ def tiled_attention(
     check_positive_int("block_k", block_k)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    query, key, value, mask, resolved = _prepare(
-        query, key, value, attn_mask, is_causal, scale, enable_gqa, expand_gqa=False
-    )
+    query, key, value, mask, resolved = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                   block_q=block_q, block_k=block_k)
 

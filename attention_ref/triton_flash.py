@@ -242,7 +242,7 @@ def is_available(device: torch.device | str = "cuda") -> bool:
     Returns:
         Whether a call would get past the runtime checks (input validation aside).
 
-    Example:
+    Examples:
         >>> from attention_ref.triton_flash import is_available
         >>> is_available("meta")  # no Triton kernel runs on torch's shape-only device
         False
@@ -524,9 +524,9 @@ def flash_attention(
     ``attention_ref.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal,
     scale=scale)`` (``backend="math"``) with ``attn_mask = key_padding_mask[:, None, None, :]``:
 
-    .. math::
-
-        \mathrm{out} = \mathrm{softmax}\!\left(\text{scale}\cdot q k^\top + M\right) v
+    $$
+    \mathrm{out} = \mathrm{softmax}\!\left(\text{scale}\cdot q k^\top + M\right) v
+    $$
 
     computed tile by tile with an online softmax, never forming the ``L x S`` matrix.
 
@@ -555,7 +555,7 @@ def flash_attention(
         RuntimeError: tensors on the CPU without ``TRITON_INTERPRET=1``, or on a device
             Triton cannot run on.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref.triton_flash import flash_attention, is_available
         >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -583,7 +583,7 @@ def kernel_source(name: str) -> str:
     Raises:
         ValueError: no kernel of that name.
 
-    Example:
+    Examples:
         >>> from attention_ref.triton_flash import kernel_source
         >>> kernel_source("_attn_bwd_preprocess").splitlines()[0]
         '@triton.jit'
