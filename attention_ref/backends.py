@@ -373,7 +373,8 @@ def _sdpa(
     """
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2:]
-    batch = _batch_shape(query, key, value, enable_gqa) or (1,)
+    out_batch = _batch_shape(query, key, value, enable_gqa)  # the output's leading dims
+    batch = out_batch or (1,)
     H = batch[-1]
     q4 = _as_4d(query, batch, H)  # (N, H, L, E)
     kv_heads = key.shape[-3] if enable_gqa else H
@@ -398,7 +399,7 @@ def _sdpa(
     )  # (N, H, L, Ev)
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
-    return out.reshape(*_batch_shape(query, key, value, enable_gqa), L, Ev)
+    return out.reshape(*out_batch, L, Ev)
 
 
 def _is_key_padding(mask: torch.Tensor) -> bool:
