@@ -60,6 +60,9 @@ DEFAULT_BLOCK_K = 512
 _NEG_INF = float("-inf")
 _LOG2E = math.log2(math.e)  # scores * log2(e) turn exp(.) into exp2(.)
 _LN2 = math.log(2.0)
+#: The lazy step keeps the old running max while a block's weights against it sum to at most
+#: 2**_LAZY_GROWTH (a score at most 32 powers of 2 above it); a larger sum redoes the block exactly.
+_LAZY_GROWTH = 32
 
 
 def tiled_attention(
@@ -191,7 +194,7 @@ def _mask_block(mask: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch
 
 def _scores_block(
     q_blk: torch.Tensor,
-    k_blk: torch.Tensor,
+    kT_blk: torch.Tensor,
     mask: torch.Tensor | None,
     is_causal: bool,
     batch: tuple[int, ...],
@@ -199,26 +202,64 @@ def _scores_block(
     i1: int,
     j0: int,
     j1: int,
+    *,
+    offset: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Masked scores (times log2 e) of query rows i0:i1 against keys j0:j1: ``(N * Hkv, G * bq, bk)``.
+    """Masked scores (times log2 e) of query rows i0:i1 against keys j0:j1, plus ``offset``: ``(N * Hkv, G * bq, bk)``.
 
     ``q_blk`` is ``(N * Hkv, G * bq, E)`` (already scaled by ``scale * log2 e``),
-    ``k_blk`` ``(N * Hkv, bk, E)``.
+    ``kT_blk`` ``(N * Hkv, E, bk)``; ``offset`` ``(N * Hkv, G * bq, 1)`` is added to
+    every score of its row (the callers pass minus a running max or minus the
+    log-sum-exp). The offset and the masks are written first and the matrix
+    product is added onto them (``baddbmm_``): one pass over the block fewer than
+    adding them afterwards. ``out`` is a buffer with room for the largest block;
+    the result is a contiguous view of its start.
     """
-    # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk)
-    s = torch.bmm(q_blk, k_blk.transpose(1, 2))
+    NK, GB, _ = q_blk.shape
     bq, bk = i1 - i0, j1 - j0
+    if out is None:
+        s = torch.empty(NK, GB, bk, dtype=q_blk.dtype, device=q_blk.device)
+    elif out.shape == (NK, GB, bk):
+        s = out
+    else:
+        s = out.view(-1)[: NK * GB * bk].view(NK, GB, bk)  # the buffer's start, contiguous
+    written = False  # whether s holds the sum of the terms so far (else it is uninitialised)
+
+    def write(view: torch.Tensor, term: torch.Tensor) -> None:
+        nonlocal written
+        if written:
+            view.add_(term)
+        else:
+            view.copy_(term.expand_as(view))
+            written = True
+
+    if offset is not None:
+        write(s, offset)
     if is_causal and j1 - 1 > i0:  # the block reaches above the diagonal: hide keys j > i
-        above = torch.arange(j0, j1, device=s.device) > torch.arange(i0, i1, device=s.device)[:, None]
-        s.view(s.shape[0], -1, bq, bk).masked_fill_(above, _NEG_INF)  # (bq, bk) broadcasts over heads
+        above = torch.full((bq, bk), _NEG_INF, dtype=s.dtype, device=s.device).triu_(i0 - j0 + 1)  # -inf where j > i
+        write(s.view(NK, -1, bq, bk), above)  # (bq, bk) broadcasts over the heads
     if mask is not None:
         m_blk = _mask_block(mask, i0, i1, j0, j1)
-        s_view = s.view(*batch, bq, bk)  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
-        if m_blk.dtype == torch.bool:
-            s_view.masked_fill_(m_blk.logical_not(), _NEG_INF)
-        else:
-            s_view.add_(m_blk.to(s.dtype), alpha=_LOG2E)  # a float mask is added to the scores
-    return s
+        # A float mask is added to the scores (times log2 e, like them); a boolean one adds 0 or -inf.
+        bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else m_blk.to(s.dtype) * _LOG2E
+        write(s.view(*batch, bq, bk), bias)  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
+    # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), added onto the terms
+    return s.baddbmm_(q_blk, kT_blk) if written else torch.bmm(q_blk, kT_blk, out=s)
+
+
+def _bool_to_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``keep`` is True, -inf where it is False, in ``dtype``.
+
+    Computed as ``1 - 1/x`` on the mask read as 0/1 bytes: four vectorised passes,
+    several times faster on CPU than ``masked_fill`` or ``where`` on a boolean mask.
+    """
+    return keep.view(torch.uint8).to(dtype).reciprocal_().neg_().add_(1.0)
+
+
+def _buffer(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """An uninitialised ``like``-typed tensor that every block of scores reuses (no allocation per block)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def _blocks(L: int, block: int) -> list[tuple[int, int]]:
@@ -238,15 +279,29 @@ class _TiledAttention(torch.autograd.Function):
         S, Ev = v.shape[-2:]
         out = torch.empty(NK, G, L, Ev, dtype=q.dtype, device=q.device)
         lse = torch.empty(NK, G, L, 1, dtype=q.dtype, device=q.device)
+        kT = k.transpose(1, 2)  # (NK, S, E) -> (NK, E, S), a view
+        scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused by every block
         for i0, i1 in _blocks(L, block_q):
             bq = i1 - i0
             q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)  # (NK, G, bq, E) -> (NK, G*bq, E)
             m_i = torch.full((NK, G * bq, 1), _NEG_INF, dtype=q.dtype, device=q.device)  # running max
             l_i = torch.zeros(NK, G * bq, 1, dtype=q.dtype, device=q.device)  # running sum of exp
             acc = torch.zeros(NK, G * bq, Ev, dtype=q.dtype, device=q.device)  # running sum of exp * v
+            lazy = False  # whether every row has a finite m_i, so the lazy step may run
             last = min(S, i1) if is_causal else S  # causal: keys j > i1 - 1 are masked for every row
             for j0, j1 in _blocks(last, block_k):
-                s = _scores_block(q_blk, k[:, j0:j1], mask, is_causal, batch, i0, i1, j0, j1)
+                kT_blk, v_blk = kT[:, :, j0:j1], v[:, j0:j1]
+                if lazy:
+                    # Lazy step: p = exp(s - m_i) against the old max, m_i subtracted inside the matmul;
+                    # no max of this block, no rescaling. Kept unless the row sums exceed 2**_LAZY_GROWTH.
+                    p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
+                                      offset=neg_m, out=scores).exp2_()
+                    l_blk = p.sum(dim=-1, keepdim=True)
+                    if l_blk.max().item() <= 2.0**_LAZY_GROWTH:  # False on inf, and on NaN (max keeps NaN)
+                        l_i += l_blk
+                        acc.baddbmm_(p, v_blk)  # (NK, G*bq, bk) @ (NK, bk, Ev) -> (NK, G*bq, Ev)
+                        continue
+                s = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1, out=scores)
                 # New running max over the old max and this block's scores.
                 m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
                 # A row with every score so far -inf keeps max -inf; shift it by 0 so exp gives 0, not NaN.
@@ -258,9 +313,11 @@ class _TiledAttention(torch.autograd.Function):
                 # l_i <- alpha * l_i + rowsum(p)
                 l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
                 # acc <- alpha * acc + p @ v_block: (NK, G*bq, bk) @ (NK, bk, Ev) -> (NK, G*bq, Ev)
-                acc.mul_(alpha).baddbmm_(p, v[:, j0:j1])
+                acc.mul_(alpha).baddbmm_(p, v_blk)
                 # m_i <- m_new
                 m_i = m_new
+                lazy = bool((m_i > _NEG_INF).all())
+                neg_m = -m_i
             # out = acc / l_i; a row where no key took part has l_i = 0 and acc = 0: it gives 0.
             out[:, :, i0:i1] = (acc / l_i.masked_fill(l_i == 0, 1.0)).view(NK, G, bq, Ev)
             # lse = m_i + log(l_i), the log of the softmax denominator (-inf on fully masked rows).
@@ -288,25 +345,30 @@ class _TiledAttention(torch.autograd.Function):
         dv = torch.zeros_like(v)
         need_dmask = mask is not None and ctx.needs_input_grad[3]
         dmask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device) if need_dmask else None
+        kT, vT = k.transpose(1, 2), v.transpose(1, 2)  # (NK, E, S), (NK, Ev, S): views
+        scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused for P by every block
+        d_scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused for dP and dS
         for j0, j1 in _blocks(S, block_k):
             bk = j1 - j0
-            k_blk, v_blk = k[:, j0:j1], v[:, j0:j1]
+            k_blk, kT_blk, vT_blk = k[:, j0:j1], kT[:, :, j0:j1], vT[:, :, j0:j1]
             first = j0 if is_causal else 0  # causal: rows i < j0 see none of these keys
             for i0, i1 in _blocks(L, block_q):
                 if i1 <= first:
                     continue
                 bq = i1 - i0
                 q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)
-                s = _scores_block(q_blk, k_blk, mask, is_causal, batch, i0, i1, j0, j1)
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
-                p = s.sub_(lse[:, :, i0:i1].reshape(NK, G * bq, 1)).exp2_()  # (NK, G*bq, bk)
+                neg_lse = lse[:, :, i0:i1].reshape(NK, G * bq, 1).neg()
+                p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
+                                  offset=neg_lse, out=scores).exp2_()  # (NK, G*bq, bk)
                 do_blk = d_out[:, :, i0:i1].reshape(NK, G * bq, Ev)
                 # dV_j += P^T dO: (NK, bk, G*bq) @ (NK, G*bq, Ev) -> (NK, bk, Ev)
                 dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_blk)
-                # dP = dO V_j^T: (NK, G*bq, Ev) @ (NK, Ev, bk) -> (NK, G*bq, bk)
-                dp = torch.bmm(do_blk, v_blk.transpose(1, 2))
-                # dS = P * (dP - D_i), the softmax backward, in place on dP.
-                ds = dp.sub_(delta[:, :, i0:i1].reshape(NK, G * bq, 1)).mul_(p)
+                # dP - D_i = dO V_j^T - D_i: (NK, G*bq, Ev) @ (NK, Ev, bk) -> (NK, G*bq, bk), added onto -D_i
+                dp = d_scores.view(-1)[: p.numel()].view(p.shape)
+                dp.copy_(delta[:, :, i0:i1].reshape(NK, G * bq, 1).neg().expand_as(dp)).baddbmm_(do_blk, vT_blk)
+                # dS = P * (dP - D_i), the softmax backward, in place.
+                ds = dp.mul_(p)
                 # dQ_i += dS K_j: (NK, G*bq, bk) @ (NK, bk, E) -> (NK, G*bq, E)
                 dq[:, :, i0:i1] += torch.bmm(ds, k_blk).view(NK, G, bq, E)
                 # dK_j += dS^T Q_i: (NK, bk, G*bq) @ (NK, G*bq, E) -> (NK, bk, E), summed over the group

@@ -152,6 +152,53 @@ def test_rescaling_when_the_running_max_jumps():
     assert torch.isfinite(out).all()
 
 
+def _exact_steps(fn) -> int:
+    """How many key blocks took the exact step (the only one that takes a block's max)."""
+    with _ShapeRecorder() as rec:
+        fn()
+    return sum(name.startswith("aten.amax") for name, _ in rec.shapes)
+
+
+@pytest.mark.parametrize(("jump", "exact_steps"), [(0.0, 1), (20.0, 1), (28.0, 1), (33.0, 2), (200.0, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_lazy_step_keeps_the_old_max_up_to_its_bound(jump, exact_steps, dtype):
+    # Keys 0-3 score about 0, keys 4-7 about `jump` (in powers of 2, i.e. log2 units after the
+    # package's log2(e) factor). While the block's weights against the old max sum to at most
+    # 2**_LAZY_GROWTH = 2**32 (4 keys of 2**28 do), they are summed as they are, no second max
+    # taken; a larger sum sends the block through the exact step. Both equal the reference.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.ones(1, 2, dtype=dtype)
+    k = torch.randn(8, 2, generator=gen, dtype=torch.float64).to(dtype) * 0.1
+    k[4:] += jump * math.log(2.0) / 2  # q . k grows by jump * ln 2 nats = jump powers of 2
+    v = torch.randn(8, 3, generator=gen, dtype=dtype)
+    out = tiled_attention(q, k, v, scale=1.0, block_k=4)
+    ref = scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=1.0)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    assert _exact_steps(lambda: tiled_attention(q, k, v, scale=1.0, block_k=4)) == exact_steps
+
+
+def test_lazy_step_runs_on_every_block_after_the_first():
+    # Random scores never jump by 2**32: one exact step per query block, every other block lazy.
+    q, k, v = (torch.randn(2, n, 8) for n in (12, 40, 40))
+    assert _exact_steps(lambda: tiled_attention(q, k, v, block_q=6, block_k=8)) == 2  # 2 query blocks x 5 key blocks
+    assert _exact_steps(lambda: tiled_attention(q, k, v, is_causal=True, block_q=6, block_k=4)) == 2
+
+
+def test_rows_without_a_key_in_the_first_block_take_exact_steps():
+    # Left padding: the first key block is masked for query 0, and its remaining scores are about
+    # -300 nats: a shift of 0 (the lazy step's value for a row with no max yet) would underflow
+    # every weight to 0. Such rows keep the exact step until they have seen a key.
+    q = torch.full((2, 1), -1.0, dtype=torch.float64)
+    k = torch.linspace(290, 310, 9, dtype=torch.float64).unsqueeze(-1)
+    v = torch.randn(9, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, :3] = False
+    out = tiled_attention(q, k, v, mask, scale=1.0, block_k=3)
+    ref = scaled_dot_product_attention(q, k, v, mask, scale=1.0)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    assert _exact_steps(lambda: tiled_attention(q, k, v, mask, scale=1.0, block_k=3)) == 2
+
+
 def test_gradcheck_float64():
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(1, 2, 5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -250,8 +297,9 @@ def test_tiled_never_allocates_a_score_matrix():
     # Nothing bigger than one block of scores per head or one input: no (L, S) matrix.
     assert largest <= max(H * block_q * block_k, H * L * E), largest
     assert not [s for _, s in shapes if len(s) >= 2 and s[-2] == L and s[-1] == S]
-    # The score blocks respect the block sizes (and there are blocks of exactly that size).
-    score_blocks = [s for f, s in shapes if f.startswith("aten.bmm") and s[-1] not in (E,)]
+    # The score blocks (the buffers they are written into) respect the block sizes, and there are
+    # blocks of exactly that size.
+    score_blocks = [s for _, s in shapes if len(s) == 3 and s[-1] not in (1, E)]
     assert score_blocks and all(s[-2] <= block_q and s[-1] <= block_k for s in score_blocks)
     assert (H, block_q, block_k) in score_blocks
 
