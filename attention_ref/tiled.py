@@ -30,14 +30,30 @@ $$
 and after the last block ``out = acc / l_i``. As in Triton's tutorial kernel the
 exponentials are taken in base 2: ``log2(e)`` is folded into the scale once, so
 every ``exp`` is an ``exp2`` (about twice as fast on CPU) with the same result.
+
+The lazy step. Taking each block's maximum costs a pass over the block, and
+subtracting it another. Neither is needed for the result: ``l_i`` and ``acc``
+only have to be taken against the *same* shift, not against the true maximum.
+So after the first key block (the exact step above), a query block keeps its
+``m_i`` and sums $p_j = 2^{s_j - m_i}$ as they come, with ``-m_i`` added inside
+the matrix product (``baddbmm``) instead of in a pass of its own. The row sums of
+the block tell whether that was safe: if every one is at most ``2**32`` (no score
+rose more than about 32 powers of 2 above ``m_i``; weights far below it round to
+0 as they would anyway), the block is accepted; otherwise (a larger sum, ``inf``
+or NaN) it is redone with the exact step, which raises ``m_i``. Rows that have
+seen no key yet (``m_i = -inf``) always take the exact step. The check reads one
+number back per key block, a synchronisation on a GPU. FlashAttention-4 skips
+rescaling below a threshold in the same spirit, but still takes each block's max.
+
 The backward pass is that of
 FlashAttention-2: it keeps only the per-row log-sum-exp ``lse = m_i + log l_i``
 from the forward pass and recomputes each block of weights as
 ``exp(s - lse)``, so training needs no ``(L, S)`` tensor either.
 
 Extra memory (beyond inputs, output and gradients): one
-``(B, H, block_q, block_k)`` block of scores and a few vectors of length
-``L``; with the default blocks that is a few MiB at any sequence length.
+``(B, H, block_q, block_k)`` buffer of scores, reused by every block (two in
+the backward pass), and a few vectors of length ``L``; with the default blocks
+that is a few MiB at any sequence length.
 Shapes use the package legend (``B``, ``H``, ``L``, ``S``, ``E``, ``Ev``).
 """
 
