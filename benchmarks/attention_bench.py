@@ -36,7 +36,13 @@ Measurements:
   its value before the call. That counts torch tensors (what attention
   allocates), not Python objects or the allocator's own caching.
 - ratio: this backend's TFLOP/s over torch SDPA's (``torch-sdpa``, its default
-  kernel choice) in the same run and configuration.
+  kernel choice) in the same run and configuration. Because the calls take turns,
+  each round also gives a ratio of its own; their quartiles (``rounds q1-q3`` in
+  the table, ``extra.ratio_per_round`` in the JSON) show how far the machine's
+  load moved it during the run.
+- ``matmul-floor`` (CPU preset): not attention, only the tiled forward pass's two
+  matrix products per block; its ratio is the most the tiled path could reach
+  with everything else free.
 
 Run ``python benchmarks/attention_bench.py --help`` for every option.
 """
@@ -104,6 +110,24 @@ def _ours(backend: str, **tiled_blocks: int) -> Callable[..., torch.Tensor]:
     return run
 
 
+def _matmul_floor(q, k, v, causal, mask):
+    """Only the two matrix products per block of the tiled forward pass, no softmax: a floor for its time.
+
+    Not attention (the output is meaningless): it measures what the tiled path
+    would cost if everything but its ``bmm``/``baddbmm`` calls were free.
+    """
+    bq, bk = tiled.DEFAULT_BLOCK_Q, tiled.DEFAULT_BLOCK_K
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # (..., n, D) -> (N, n, D)
+    L, S = q3.shape[1], k3.shape[1]
+    out = torch.empty(q3.shape[0], L, v3.shape[-1], dtype=q.dtype, device=q.device)
+    for i0 in range(0, L, bq):
+        acc = out[:, i0:i0 + bq].zero_()
+        for j0 in range(0, min(S, i0 + bq) if causal else S, bk):
+            s = torch.bmm(q3[:, i0:i0 + bq], k3[:, j0:j0 + bk].transpose(1, 2))
+            acc.baddbmm_(s, v3[:, j0:j0 + bk])
+    return out
+
+
 IMPLS: dict[str, Callable[..., torch.Tensor]] = {
     "torch-sdpa": _torch_sdpa(None),  # the baseline of every ratio
     "torch-sdpa-flash": _torch_sdpa("FLASH_ATTENTION"),
@@ -114,6 +138,7 @@ IMPLS: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa": _ours("sdpa"),
     "tiled": _ours("tiled"),
     "math": _ours("math"),
+    "matmul-floor": _matmul_floor,  # not attention: the tiled path's matrix products alone
 }
 GPU_ONLY = {"torch-sdpa-flash", "torch-sdpa-efficient", "torch-sdpa-cudnn", "triton"}
 
@@ -247,6 +272,8 @@ def _available_bytes(device: torch.device) -> int:
 def _skip_reason(impl: str, cfg: Config, device: torch.device) -> str | None:
     if impl in GPU_ONLY and device.type != "cuda":
         return "skipped: CUDA only"
+    if impl == "matmul-floor" and (cfg.mode != "fwd" or cfg.mask != "none"):
+        return "skipped: forward without a mask only"
     if impl == "triton":
         from attention_ref.triton_flash import is_available
 
@@ -335,6 +362,14 @@ def run_configs(
                 ref = by_impl.get(base)
                 if r.tflops and ref is not None and ref.tflops:
                     setattr(r, attr, r.tflops / ref.tflops)
+            base = by_impl.get("torch-sdpa")
+            if base is not None and len(r.times_s) >= 4 and len(base.times_s) == len(r.times_s):
+                # Round-robin pairs: torch's time over this one's in the same round, so the spread
+                # shows how much the machine's load moved the ratio during the run.
+                per_round = [b / t for b, t in zip(base.times_s, r.times_s)]
+                q1, med, q3 = statistics.quantiles(per_round, n=4)
+                r.extra["ratio_per_round"] = {"q1": q1, "median": med, "q3": q3, "min": min(per_round),
+                                              "max": max(per_round)}
         results.extend(by_impl.values())
         del q, k, v, mask, d_out
     if bar:
@@ -364,7 +399,7 @@ def run_cpu_preset(args: argparse.Namespace, device: torch.device) -> dict:
     # 1. Throughput side by side at L = 4096.
     throughput = [Config(1, H, 4096, 4096, D, causal, mode, dtype, "throughput")
                   for mode in args.modes for causal in (False, True)]
-    out["throughput"] = run_configs(throughput, ["torch-sdpa", "tiled", "sdpa"], device,
+    out["throughput"] = run_configs(throughput, ["torch-sdpa", "tiled", "sdpa", "matmul-floor"], device,
                                     repeats=args.repeats, warmup=args.warmup, memory=True)
     # 2. Sweep over L (forward), without a mask and with a dense boolean (L, S) mask: time and
     #    extra memory of tiled vs torch SDPA vs math; the basis of the auto rule's threshold.
@@ -467,14 +502,17 @@ def _jsonable(obj):
 
 def _table(results: list[Result]) -> str:
     lines = [f"{'group':<10} {'impl':<22} {'L':>6} {'D':>4} {'causal':>6} {'mask':>5} {'mode':>8} {'ms':>10} "
-             f"{'TFLOP/s':>8} {'peak MiB':>9} {'vs torch':>8}  status"]
+             f"{'TFLOP/s':>8} {'peak MiB':>9} {'vs torch':>8} {'rounds q1-q3':>12}  status"]
     for r in results:
         c = r.config
         fmt = lambda x, f: (f % x) if x is not None else "-"  # noqa: E731
+        rounds = r.extra.get("ratio_per_round")
+        spread = f"{rounds['q1']:.2f}-{rounds['q3']:.2f}" if rounds else "-"
         lines.append(
             f"{c.group:<10} {r.impl:<22} {c.L:>6} {c.D:>4} {str(c.causal):>6} {c.mask:>5} {c.mode:>8} "
             f"{fmt(r.time_s and r.time_s * 1e3, '%.1f'):>10} {fmt(r.tflops, '%.3f'):>8} "
-            f"{fmt(r.peak_bytes and r.peak_bytes / 2**20, '%.1f'):>9} {fmt(r.ratio_to_torch_sdpa, '%.2f'):>8}  {r.status}"
+            f"{fmt(r.peak_bytes and r.peak_bytes / 2**20, '%.1f'):>9} {fmt(r.ratio_to_torch_sdpa, '%.2f'):>8} "
+            f"{spread:>12}  {r.status}"
         )
     return "\n".join(lines)
 
