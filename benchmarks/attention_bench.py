@@ -458,7 +458,7 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def provenance(device: torch.device) -> dict:
+def provenance(device: torch.device, argv: list[str]) -> dict:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -473,7 +473,7 @@ def provenance(device: torch.device) -> dict:
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join(["python", "benchmarks/attention_bench.py", *argv]),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "tiled_blocks": {"block_q": tiled.DEFAULT_BLOCK_Q, "block_k": tiled.DEFAULT_BLOCK_K},
@@ -540,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-block-k", nargs="+", type=int, default=[128, 256, 512, 1024])
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     parser.add_argument("--no-progress", action="store_true")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     global _SHOW_PROGRESS
     _SHOW_PROGRESS = not args.no_progress
@@ -550,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device.type == "cuda"
     args.repeats = args.repeats or (20 if gpu else 5)
     args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
-    record: dict = {"provenance": provenance(device), "load_before": _load(), "preset": args.preset}
+    record: dict = {"provenance": provenance(device, argv), "load_before": _load(), "preset": args.preset}
     t0 = time.perf_counter()
     if args.preset == "gpu":
         if not gpu:
