@@ -234,12 +234,7 @@ def _scores_block(
     """
     NK, GB, _ = q_blk.shape
     bq, bk = i1 - i0, j1 - j0
-    if out is None:
-        s = torch.empty(NK, GB, bk, dtype=q_blk.dtype, device=q_blk.device)
-    elif out.shape == (NK, GB, bk):
-        s = out
-    else:
-        s = out.view(-1)[: NK * GB * bk].view(NK, GB, bk)  # the buffer's start, contiguous
+    s = _buffer(q_blk, NK, GB, bk) if out is None else _start_of(out, NK, GB, bk)
     written = False  # whether s holds the sum of the terms so far (else it is uninitialised)
 
     def write(view: torch.Tensor, term: torch.Tensor) -> None:
@@ -274,8 +269,15 @@ def _bool_to_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _buffer(like: torch.Tensor, *shape: int) -> torch.Tensor:
-    """An uninitialised ``like``-typed tensor that every block of scores reuses (no allocation per block)."""
+    """An uninitialised tensor of ``like``'s dtype and device; the loops allocate one per call and reuse it."""
     return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _start_of(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous ``shape`` view of the start of ``buffer`` (a smaller last block reuses the full one)."""
+    if buffer.shape == shape:
+        return buffer
+    return buffer.view(-1)[: math.prod(shape)].view(shape)
 
 
 def _blocks(L: int, block: int) -> list[tuple[int, int]]:
@@ -303,7 +305,7 @@ class _TiledAttention(torch.autograd.Function):
             m_i = torch.full((NK, G * bq, 1), _NEG_INF, dtype=q.dtype, device=q.device)  # running max
             l_i = torch.zeros(NK, G * bq, 1, dtype=q.dtype, device=q.device)  # running sum of exp
             acc = torch.zeros(NK, G * bq, Ev, dtype=q.dtype, device=q.device)  # running sum of exp * v
-            lazy = False  # whether every row has a finite m_i, so the lazy step may run
+            lazy, neg_m = False, None  # lazy: every row has a finite m_i (then neg_m = -m_i)
             last = min(S, i1) if is_causal else S  # causal: keys j > i1 - 1 are masked for every row
             for j0, j1 in _blocks(last, block_k):
                 kT_blk, v_blk = kT[:, :, j0:j1], v[:, j0:j1]
@@ -381,7 +383,7 @@ class _TiledAttention(torch.autograd.Function):
                 # dV_j += P^T dO: (NK, bk, G*bq) @ (NK, G*bq, Ev) -> (NK, bk, Ev)
                 dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_blk)
                 # dP - D_i = dO V_j^T - D_i: (NK, G*bq, Ev) @ (NK, Ev, bk) -> (NK, G*bq, bk), added onto -D_i
-                dp = d_scores.view(-1)[: p.numel()].view(p.shape)
+                dp = _start_of(d_scores, *p.shape)
                 dp.copy_(delta[:, :, i0:i1].reshape(NK, G * bq, 1).neg().expand_as(dp)).baddbmm_(do_blk, vT_blk)
                 # dS = P * (dP - D_i), the softmax backward, in place.
                 ds = dp.mul_(p)
