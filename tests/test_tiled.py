@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attention_ref import scaled_dot_product_attention
@@ -152,11 +153,25 @@ def test_rescaling_when_the_running_max_jumps():
     assert torch.isfinite(out).all()
 
 
+class _StepCounter(TorchFunctionMode):
+    """Counts the steps of the forward loop: each key block ends in one ``exp2_`` (a lazy attempt
+    or an exact step), and only the exact step takes a block's max (``amax``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exp2 = self.amax = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.exp2 += func is torch.Tensor.exp2_
+        self.amax += func is torch.Tensor.amax
+        return func(*args, **(kwargs or {}))
+
+
 def _exact_steps(fn) -> int:
-    """How many key blocks took the exact step (the only one that takes a block's max)."""
-    with _ShapeRecorder() as rec:
+    """How many key blocks took the exact step."""
+    with _StepCounter() as counter:
         fn()
-    return sum(name.startswith("aten.amax") for name, _ in rec.shapes)
+    return counter.amax
 
 
 @pytest.mark.parametrize(("jump", "exact_steps"), [(0.0, 1), (20.0, 1), (28.0, 1), (33.0, 2), (200.0, 2)])
@@ -197,6 +212,22 @@ def test_rows_without_a_key_in_the_first_block_take_exact_steps():
     ref = scaled_dot_product_attention(q, k, v, mask, scale=1.0)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     assert _exact_steps(lambda: tiled_attention(q, k, v, mask, scale=1.0, block_k=3)) == 2
+
+
+def test_no_lazy_attempt_while_a_row_has_seen_no_key():
+    # Row 1 may attend to no key at all (a padded query). A lazy attempt against its max of -inf
+    # could only fail (its shift is +inf) and cost a block's matmul and exp for nothing: every
+    # block takes the exact step at once, one exp2 per key block.
+    q, k, v = torch.randn(2, 4), torch.randn(9, 4), torch.randn(9, 2)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1] = False
+    with _StepCounter() as counter:
+        out = tiled_attention(q, k, v, mask, block_k=3)
+    assert (counter.amax, counter.exp2) == (3, 3)
+    assert torch.equal(out[1], torch.zeros(2))
+    with _StepCounter() as counter:  # without the padded row: one exact step, then lazy ones
+        tiled_attention(q[:1], k, v, mask[:1], block_k=3)
+    assert (counter.amax, counter.exp2) == (1, 3)
 
 
 def test_gradcheck_float64():
