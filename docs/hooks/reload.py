@@ -10,12 +10,17 @@ Under `mkdocs serve` only, it also keeps the output of every executed block from
 builds, keyed by a fingerprint of the package's source, the block's session and the code of that
 session's blocks up to and including this one. A rebuild after editing one page then executes
 only that page's changed blocks (replaying the earlier blocks of their session first, silently,
-so the namespace is right); an edit to the package changes the fingerprint and re-executes
-everything. `mkdocs build` (CI, the tests, publishing) never uses the cache.
+so the namespace is right); an edit to the package's code changes the fingerprint and re-executes
+everything. The fingerprint covers the package's code, not its text: it is taken from the syntax
+tree with the docstrings removed (comments and layout are not in the tree), so editing a
+docstring or a comment re-renders the API pages (mkdocstrings reads the source anew) but re-runs
+no block, except in the sessions that read source text themselves (`inspect`, `__doc__`, `help(`):
+those are keyed by the text. `mkdocs build` (CI, the tests, publishing) never uses the cache.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import logging
 import os
@@ -60,10 +65,11 @@ def on_pre_build(config, **kwargs) -> None:
     for name in dropped:
         del sys.modules[name]
     sessions = _clear_markdown_exec_sessions()
-    _CACHE_STATE["fingerprint"] = _package_fingerprint()
+    _CACHE_STATE["code"], _CACHE_STATE["text"] = _package_fingerprints()
     _CACHE_STATE["chains"] = {}
     _CACHE_STATE["pending"] = {}
-    log.debug("reload hook: package fingerprint %s", _CACHE_STATE["fingerprint"][:12])
+    _CACHE_STATE["reads_source"] = set()
+    log.debug("reload hook: package code %s, text %s", _CACHE_STATE["code"][:12], _CACHE_STATE["text"][:12])
     if dropped or sessions:
         log.info("reload hook: dropped %d %s modules, cleared %d markdown-exec sessions",
                  len(dropped), PACKAGE, sessions)
@@ -72,7 +78,10 @@ def on_pre_build(config, **kwargs) -> None:
 # ---- serve-only cache of executed block outputs --------------------------------------------
 
 _CACHE: dict[str, str] = {}  # key -> the block's printed output
-_CACHE_STATE: dict = {"fingerprint": "", "chains": {}, "pending": {}, "hits": 0, "runs": 0}
+_CACHE_STATE: dict = {"code": "", "text": "", "chains": {}, "pending": {}, "reads_source": set(), "hits": 0,
+                      "runs": 0}
+#: A block whose code contains one of these may print the package's source or docstrings.
+_READS_SOURCE = ("inspect", "__doc__", "help(")
 
 
 def _digest(*parts: str) -> str:
@@ -83,9 +92,27 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()
 
 
-def _package_fingerprint() -> str:
-    files = sorted(PACKAGE_DIR.rglob("*.py"))
-    return _digest(*(f"{f.relative_to(PACKAGE_DIR)}\n{f.read_text()}" for f in files))
+def _package_fingerprints() -> tuple[str, str]:
+    """Digests of the package's code (syntax trees without docstrings) and of its text as written."""
+    sources = [(str(f.relative_to(PACKAGE_DIR)), f.read_text()) for f in sorted(PACKAGE_DIR.rglob("*.py"))]
+    code = _digest(*(f"{name}\n{_code_of(text)}" for name, text in sources))
+    text = _digest(*(f"{name}\n{text}" for name, text in sources))
+    return code, text
+
+
+def _code_of(source: str) -> str:
+    """The syntax tree of ``source`` without its string statements (docstrings), as text."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # a file in the middle of an edit: its text is all there is
+        return source
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                            and isinstance(s.value.value, str))]
+            node.body = kept or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def _install_block_cache() -> None:
@@ -97,12 +124,15 @@ def _install_block_cache() -> None:
 
     def cached_run(code, returncode=None, session=None, id=None, **extra):  # noqa: A002
         state = _CACHE_STATE
+        reads_source = any(token in code for token in _READS_SOURCE)
         if session is None:
-            key = _digest(state["fingerprint"], "", code)
+            key = _digest(state["text" if reads_source else "code"], "", code)
         else:
+            if reads_source:  # from here on the session's namespace may hold source text
+                state["reads_source"].add(session)
             chain = _digest(state["chains"].get(session, ""), code)
             state["chains"][session] = chain
-            key = _digest(state["fingerprint"], session, chain)
+            key = _digest(state["text" if session in state["reads_source"] else "code"], session, chain)
         if key in _CACHE:
             state["hits"] += 1
             if session is not None:  # not executed: remember it in case a later block misses
