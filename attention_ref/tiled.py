@@ -235,28 +235,25 @@ def _scores_block(
     NK, GB, _ = q_blk.shape
     bq, bk = i1 - i0, j1 - j0
     s = _buffer(q_blk, NK, GB, bk) if out is None else _start_of(out, NK, GB, bk)
-    written = False  # whether s holds the sum of the terms so far (else it is uninitialised)
-
-    def write(view: torch.Tensor, term: torch.Tensor) -> None:
-        nonlocal written
-        if written:
-            view.add_(term)
-        else:
-            view.copy_(term.expand_as(view))
-            written = True
-
+    terms = []  # (a view of s, a term that broadcasts to it), summed into s before the product
     if offset is not None:
-        write(s, offset)
+        terms.append((s, offset))
     if is_causal and j1 - 1 > i0:  # the block reaches above the diagonal: hide keys j > i
         above = torch.full((bq, bk), _NEG_INF, dtype=s.dtype, device=s.device).triu_(i0 - j0 + 1)  # -inf where j > i
-        write(s.view(NK, -1, bq, bk), above)  # (bq, bk) broadcasts over the heads
+        terms.append((s.view(NK, -1, bq, bk), above))  # (bq, bk) broadcasts over the heads
     if mask is not None:
         m_blk = _mask_block(mask, i0, i1, j0, j1)
         # A float mask is added to the scores (times log2 e, like them); a boolean one adds 0 or -inf.
         bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else m_blk.to(s.dtype) * _LOG2E
-        write(s.view(*batch, bq, bk), bias)  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
+        terms.append((s.view(*batch, bq, bk), bias))  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
     # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), added onto the terms
-    return s.baddbmm_(q_blk, kT_blk) if written else torch.bmm(q_blk, kT_blk, out=s)
+    if not terms:
+        return torch.bmm(q_blk, kT_blk, out=s)
+    (view, term), *rest = terms
+    view.copy_(term.expand_as(view))
+    for view, term in rest:
+        view.add_(term)
+    return s.baddbmm_(q_blk, kT_blk)
 
 
 def _bool_to_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -354,10 +351,11 @@ class _TiledAttention(torch.autograd.Function):
         NK, G, L, E = q.shape
         S, Ev = v.shape[-2:]
         d_out = d_out.to(q.dtype)
-        # D_i = rowsum(dO * O) = sum_j P_ij dP_ij, the term the softmax Jacobian subtracts.
-        delta = (d_out * out).sum(dim=-1, keepdim=True)  # (NK, G, L, 1)
+        # D_i = rowsum(dO * O) = sum_j P_ij dP_ij, the term the softmax Jacobian subtracts. It and
+        # lse enter the blocks' matmuls negated, as their starting values: negated once here.
+        neg_delta = (d_out * out).sum(dim=-1, keepdim=True).neg_()  # (NK, G, L, 1)
         # A fully masked row has lse = -inf; +inf makes every recomputed weight exp(-inf - inf) = 0.
-        lse = lse.masked_fill(lse == _NEG_INF, float("inf"))
+        neg_lse = lse.masked_fill(lse == _NEG_INF, float("inf")).neg_()  # (NK, G, L, 1)
         dq = torch.zeros_like(q)
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(v)
@@ -376,15 +374,14 @@ class _TiledAttention(torch.autograd.Function):
                 bq = i1 - i0
                 q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
-                neg_lse = lse[:, :, i0:i1].reshape(NK, G * bq, 1).neg()
                 p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
-                                  offset=neg_lse, out=scores).exp2_()  # (NK, G*bq, bk)
+                                  offset=neg_lse[:, :, i0:i1].reshape(NK, G * bq, 1), out=scores).exp2_()
                 do_blk = d_out[:, :, i0:i1].reshape(NK, G * bq, Ev)
                 # dV_j += P^T dO: (NK, bk, G*bq) @ (NK, G*bq, Ev) -> (NK, bk, Ev)
                 dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_blk)
                 # dP - D_i = dO V_j^T - D_i: (NK, G*bq, Ev) @ (NK, Ev, bk) -> (NK, G*bq, bk), added onto -D_i
                 dp = _start_of(d_scores, *p.shape)
-                dp.copy_(delta[:, :, i0:i1].reshape(NK, G * bq, 1).neg().expand_as(dp)).baddbmm_(do_blk, vT_blk)
+                dp.copy_(neg_delta[:, :, i0:i1].reshape(NK, G * bq, 1).expand_as(dp)).baddbmm_(do_blk, vT_blk)
                 # dS = P * (dP - D_i), the softmax backward, in place.
                 ds = dp.mul_(p)
                 # dQ_i += dS K_j: (NK, G*bq, bk) @ (NK, bk, E) -> (NK, G*bq, E)
