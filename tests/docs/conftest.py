@@ -16,12 +16,12 @@ way markdown-exec captures it; the output is shown when a block fails.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import re
 import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -30,55 +30,23 @@ import pytest
 os.environ.setdefault("MPLBACKEND", "Agg")  # figures render off-screen, as in a build
 
 PAGES_FILE = "pages.txt"
-EXECUTED_LANGUAGES = {"python", "py"}
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
-_OPTION = re.compile(r"""([\w-]+)=(?:"([^"]*)"|'([^']*)'|(\S+))""")
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass(frozen=True)
-class Block:
-    path: Path
-    line: int  # 1-based line of the opening fence
-    session: str | None
-    workdir: str | None
-    code: str
+def _load_fences() -> ModuleType:
+    # the one fence parser (docs/hooks/fences.py), shared with the notebook hook; hooks are
+    # files, not a package, so it is loaded by path
+    spec = importlib.util.spec_from_file_location("attention_ref_docs_fences",
+                                                  ROOT / "docs" / "hooks" / "fences.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
 
 
-def _is_on(value: str | None) -> bool:
-    # markdown-exec's reading of exec="..." (any value other than these is on)
-    return value is not None and value.lower() not in {"", "no", "off", "false", "0"}
-
-
-def _parse_info(info: str) -> tuple[str, dict[str, str]]:
-    info = info.strip().removeprefix("{").removesuffix("}").strip()
-    language = info.split(None, 1)[0].lstrip(".").lower() if info else ""
-    options = {m[1]: next(g for g in m.groups()[1:] if g is not None) for m in _OPTION.finditer(info)}
-    return language, options
-
-
-def find_blocks(path: Path) -> list[Block]:
-    """The executed Python blocks of one Markdown file, in order."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    blocks = []
-    i = 0
-    while i < len(lines):
-        opening = _FENCE.match(lines[i])
-        if not opening:
-            i += 1
-            continue
-        indent, fence = opening["indent"], opening["fence"]
-        closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
-        end = i + 1
-        while end < len(lines) and not closing.match(lines[end]):
-            end += 1
-        language, options = _parse_info(opening["info"])
-        if language in EXECUTED_LANGUAGES and _is_on(options.get("exec")):
-            body = [line[len(indent):] if line.startswith(indent) else line.lstrip()
-                    for line in lines[i + 1:end]]
-            blocks.append(Block(path, i + 1, options.get("session") or None,
-                                options.get("workdir"), "\n".join(body) + "\n"))
-        i = end + 1
-    return blocks
+fences = _load_fences()
+Block = fences.Block
+find_blocks = fences.find_blocks
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):

@@ -1,0 +1,95 @@
+"""The notebooks of the tutorial pages (written by docs/hooks/notebooks.py) hold the pages' code and run.
+
+Each notebook of the built site is read and validated with nbformat; its code cells must be
+the page's executed blocks, in order, hidden checks included; then its code cells run top to
+bottom in one fresh namespace, as Jupyter would run them (in this process: the package is
+already imported, so the notebooks cost only their own code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from test_browser import DOCS, ROOT, SOURCES, built_page, find_blocks
+
+TUTORIAL_SOURCES = [s for s in SOURCES if s.startswith("tutorial/")]
+
+
+def _hook():
+    spec = importlib.util.spec_from_file_location("attention_ref_docs_notebooks",
+                                                  ROOT / "docs" / "hooks" / "notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+notebooks_hook = _hook()
+
+
+def built_notebook(built_site: Path, source: str):
+    path = built_page(built_site, source).parent / notebooks_hook.notebook_name(source)
+    assert path.is_file(), f"{source}: no notebook {path} in the built site"
+    notebook = nbformat.read(str(path), as_version=4)
+    nbformat.validate(notebook)
+    return notebook
+
+
+@pytest.mark.parametrize("source", TUTORIAL_SOURCES)
+def test_notebook_holds_the_pages_code(built_site: Path, source: str):
+    notebook = built_notebook(built_site, source)
+    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    blocks = [block.code.rstrip("\n") for block in find_blocks(DOCS / source)]
+    assert code[1:] == blocks, f"{source}: the notebook's code cells are not the page's blocks"
+    assert code[0] == notebook_hook_setup(), "the first code cell is the Jupyter set-up"
+    markdown = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
+    assert "???" not in markdown, "Material admonition syntax left in the notebook's Markdown"
+
+
+def notebook_hook_setup() -> str:
+    return notebooks_hook.SETUP_CELL.rstrip()
+
+
+@pytest.mark.parametrize("source", TUTORIAL_SOURCES)
+def test_notebook_runs(built_site: Path, source: str, monkeypatch: pytest.MonkeyPatch):
+    notebook = built_notebook(built_site, source)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    namespace = {"__name__": "__notebook__"}
+    printed = io.StringIO()
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code":
+            continue
+        code = compile(cell.source, f"{source} notebook cell {index}", "exec")
+        with contextlib.redirect_stdout(printed):
+            try:
+                exec(code, namespace)
+            except Exception as error:  # the cell, the error, then what it printed
+                pytest.fail(f"{source}: notebook cell {index} raised {type(error).__name__}: "
+                            f"{error}\n--- cell ---\n{cell.source}\n--- printed ---\n"
+                            f"{printed.getvalue()[-2000:]}", pytrace=False)
+    assert printed.getvalue(), f"{source}: the notebook printed nothing"
+
+
+def test_admonitions_become_plain_markdown():
+    text = ('Intro.\n\n??? question "Exercise 1: shapes"\n    What is the shape?\n\n'
+            '    ??? success "Solution"\n        It is (2, 3).\n\nAfter.')
+    plain = notebooks_hook.prose_to_notebook_markdown(text)
+    assert plain.splitlines() == ["Intro.", "", "**Exercise 1: shapes**", "What is the shape?", "",
+                                  "**Solution**", "It is (2, 3).", "", "After."]
+
+
+def test_a_failing_cell_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    page = tmp_path / "page.md"
+    page.write_text('# T\n\n```python exec="on" session="s"\nassert 1 == 2\n```\n')
+    notebook = notebooks_hook.page_notebook(page.read_text(), title="T", url="u")
+    cells = [c.source for c in notebook.cells if c.cell_type == "code"]
+    assert cells[-1] == "assert 1 == 2"
+    with pytest.raises(AssertionError):
+        exec(compile("\n".join(cells), "nb", "exec"), {})
+
