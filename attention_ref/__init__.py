@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from attention_ref import complexity, masks
+from attention_ref import complexity, diagrams, masks
 from attention_ref.functional import attention_weights, scaled_dot_product_attention
 from attention_ref.masks import (
     causal_mask,
@@ -42,6 +42,7 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "complexity",
+    "diagrams",
     "from_key_padding_mask",
     "masks",
     "padding_mask",
