@@ -77,6 +77,8 @@ def project(tmp_path: Path) -> Path:
     shutil.copy(HERE / "conftest.py", tmp_path / "tests" / "docs" / "conftest.py")
     (tmp_path / "tests" / "docs" / "pages.txt").write_text("# pages\ndocs/**/*.md\n")
     (tmp_path / "docs" / "sub").mkdir(parents=True)
+    (tmp_path / "docs" / "hooks").mkdir()  # the fence parser the collector loads
+    shutil.copy(HERE.parents[1] / "docs" / "hooks" / "fences.py", tmp_path / "docs" / "hooks")
     (tmp_path / "docs" / "good.md").write_text(GOOD_PAGE)
     (tmp_path / "docs" / "sub" / "bad.md").write_text(BAD_PAGE)
     return tmp_path
