@@ -26,6 +26,7 @@ __all__ = [
     "layer_flops",
     "parameter_count",
     "projection_flops",
+    "sliding_window_pairs",
 ]
 
 
@@ -47,6 +48,25 @@ def causal_pairs(L: int, S: int) -> int:
     _nonneg(L=L, S=S)
     full = min(L, S)  # rows 0..full-1 see i + 1 keys, later rows see all S
     return full * (full + 1) // 2 + (L - full) * S
+
+
+def sliding_window_pairs(L: int, window: int) -> int:
+    r"""Number of (query, key) pairs kept by a causal sliding window over ``L`` tokens.
+
+    Query ``i`` sees the ``w = window`` most recent keys, itself included:
+    key ``j`` when $i - w < j \le i$, that is $\min(i + 1, w)$ keys. With
+    $w' = \min(w, L)$ the total is $w'(w' + 1)/2 + (L - w')\,w'$: linear in ``L``
+    for a fixed window, where the dense causal mask keeps ``L (L + 1) / 2``
+    (`causal_pairs`, which a window of ``L`` or more gives back).
+
+    Examples:
+        >>> sliding_window_pairs(5, 2)  # rows keep 1, 2, 2, 2, 2 keys
+        9
+    """
+    _nonneg(L=L)
+    check_positive_int("window", window)
+    w = min(window, L)
+    return w * (w + 1) // 2 + (L - w) * w
 
 
 def attention_flops(B: int, H: int, L: int, S: int, E: int, Ev: int, causal: bool = False) -> int:

@@ -21,6 +21,7 @@ from attention_ref.complexity import (
     layer_flops,
     parameter_count,
     projection_flops,
+    sliding_window_pairs,
 )
 
 
@@ -138,3 +139,17 @@ def test_attention_memory_bytes_equal_the_tensors(dtype, generator):
     assert memory["output"] == out.numel() * out.element_size()
     assert memory["inputs"] == sum(t.numel() * t.element_size() for t in (q, k, v))
     assert attention_memory_bytes(B, H, L, S, E, Ev, bytes_per_element=size, materialize_weights=False)["weights"] == 0
+
+
+@pytest.mark.parametrize("L,window", [(0, 1), (1, 1), (5, 1), (5, 2), (7, 3), (6, 6), (4, 9), (13, 5)])
+def test_sliding_window_pairs_equal_the_window_mask_sum(L, window):
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    window_mask = (j <= i) & (i - j < window)  # (L, L): the w most recent keys, itself included
+    assert sliding_window_pairs(L, window) == int(window_mask.sum())
+    if window >= L:
+        assert sliding_window_pairs(L, window) == causal_pairs(L, L)
+
+
+def test_sliding_window_pairs_rejects_a_window_below_one():
+    with pytest.raises(ValueError, match="window"):
+        sliding_window_pairs(4, 0)

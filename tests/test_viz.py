@@ -17,8 +17,8 @@ pytest.importorskip("matplotlib", reason="attention_ref.viz figures need matplot
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from attention_ref import attention_weights  # noqa: E402
-from attention_ref.viz import explorer_html, head_grid, heatmap, to_svg  # noqa: E402
+from attention_ref import attention_weights, causal_mask  # noqa: E402
+from attention_ref.viz import explorer_html, head_grid, heatmap, heatmaps, to_svg  # noqa: E402
 
 SVG = "{http://www.w3.org/2000/svg}"
 TOKENS = ["the", "bank", "of", "the", "river"]
@@ -40,6 +40,47 @@ def image_axes(fig: Figure) -> list:
     return [ax for ax in fig.axes if ax.images and ax.get_label() != "<colorbar>"]
 
 
+def colorbar_labels(fig: Figure) -> list[str]:
+    return [ax.get_ylabel() for ax in fig.axes if ax.get_label() == "<colorbar>"]
+
+
+def shown_tick_texts(ax, axis: str) -> list[str]:
+    """The tick labels a reader sees (empty when the axis hides them)."""
+    axis_ = ax.xaxis if axis == "x" else ax.yaxis
+    return [t.get_text() for t in axis_.get_ticklabels() if t.get_visible() and t.get_text()]
+
+
+# The site's text column is 690-750 px wide at a 1280 px viewport; matplotlib's SVG maps
+# 1 in to 96 px: a figure at most 7 in wide is shown unscaled, so 9 pt text renders at 12 px.
+MAX_WIDTH_IN, MIN_FONT_PT = 7.0, 9.0
+
+
+def assert_readable(fig: Figure) -> None:
+    """The figure fits the column, its text is >= 9 pt, and no two tick labels of an axis overlap."""
+    from matplotlib.text import Text
+
+    width, height = fig.get_size_inches()
+    assert width <= MAX_WIDTH_IN + 1e-9, f"figure {width:.2f} in wide: scaled down in the column"
+    assert height <= 10.0 + 1e-9
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()  # lay the figure out (constrained layout) and measure its text
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < MIN_FONT_PT]
+    assert not small, f"text under {MIN_FONT_PT} pt: {small[:5]}"
+    figure_box = fig.bbox
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            boxes = [t.get_window_extent(renderer) for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+            for a, b in zip(boxes, boxes[1:]):
+                assert not a.overlaps(b), f"tick labels overlap on {ax.get_title() or ax.get_label()!r}"
+    for t in texts:  # nothing drawn outside the figure
+        box = t.get_window_extent(renderer)
+        assert box.x0 >= figure_box.x0 - 1 and box.x1 <= figure_box.x1 + 1, t.get_text()
+        assert box.y0 >= figure_box.y0 - 1 and box.y1 <= figure_box.y1 + 1, t.get_text()
+
+
 # --- heatmap -----------------------------------------------------------------
 
 
@@ -58,9 +99,9 @@ def test_heatmap_labels_ticks_and_colorbar():
     assert image.get_array().shape == (5, 7)
     np.testing.assert_allclose(image.get_array(), w.numpy(), atol=1e-7)
     assert image.get_clim() == (0.0, 1.0)
-    colorbars = [a for a in fig.axes if a.get_label() == "<colorbar>"]
-    assert len(colorbars) == 1
+    assert colorbar_labels(fig) == ["attention weight"]  # one colorbar, saying what it measures
     assert image.colorbar is not None
+    assert_readable(fig)
 
 
 def test_heatmap_self_attention_uses_query_labels_for_keys():
@@ -90,6 +131,47 @@ def test_heatmap_annotate_writes_each_value():
     fig = heatmap(w, ["a", "b"], annotate=True)
     (ax,) = image_axes(fig)
     assert sorted(t.get_text() for t in ax.texts) == sorted(["0.25", "0.75", "1.00", "0.00"])
+    assert all(t.get_fontsize() >= MIN_FONT_PT for t in ax.texts)
+    assert_readable(fig)
+
+
+@pytest.mark.parametrize("as_type", [lambda m: m, lambda m: m.numpy(), lambda m: m.tolist()])
+def test_heatmap_of_a_boolean_mask_says_so(as_type):
+    keep = causal_mask(3)  # bool, True = the pair takes part
+    fig = heatmap(as_type(keep), ["a", "b", "c"], annotate=True)
+    (ax,) = image_axes(fig)
+    assert colorbar_labels(fig) == ["mask (1 = takes part)"]
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == ["0", "1"]
+    assert [t.get_text() for t in ax.texts] == ["1", "0", "0", "1", "1", "0", "1", "1", "1"]  # row by row
+    # the same mask as floats is drawn the same, but as numbers: nothing says it is a mask
+    floats = heatmap(keep.float(), annotate=True)
+    assert colorbar_labels(floats) == ["attention weight"]
+    assert image_axes(floats)[0].texts[0].get_text() == "1.00"
+
+
+def test_heatmap_colorbar_label():
+    assert colorbar_labels(heatmap(weights(3, 3), colorbar_label="p(key | query)")) == ["p(key | query)"]
+    assert colorbar_labels(heatmap(causal_mask(3), colorbar_label="allowed")) == ["allowed"]
+    with pytest.raises(TypeError, match=r"colorbar_label must be a str or None, got int"):
+        heatmap(weights(3, 3), colorbar_label=1)
+
+
+@pytest.mark.parametrize(("L", "S"), [(1, 1), (5, 7), (12, 12), (40, 60), (3, 200)])
+def test_heatmap_fits_the_column_with_readable_labels(L, S):
+    labels = [f"tok{i}" for i in range(S)]
+    fig = heatmap(weights(L, S), key_labels=labels, title="a title of some length")
+    assert_readable(fig)
+    (ax,) = image_axes(fig)
+    shown = tick_texts(ax, "x")
+    step = 1 if len(shown) == S else int(shown[1][3:])
+    assert shown == labels[::step]  # every step-th key labelled, starting at the first
+    assert_readable(heatmap(weights(L, S)))  # index labels, written horizontally
+
+
+def test_heatmap_into_given_axes_keeps_every_label():
+    fig = Figure(figsize=(3, 3))
+    heatmap(weights(30, 30), ax=fig.add_subplot())
+    assert tick_texts(image_axes(fig)[0], "x") == [str(j) for j in range(30)]  # the caller sized it
 
 
 def test_figures_have_an_opaque_light_background_and_dark_text():
@@ -142,12 +224,42 @@ def test_head_grid_one_panel_per_head_shared_scale_one_colorbar():
         assert ax.get_title() == f"head {h}"
         assert ax.images[0].get_clim() == (0.0, 1.0)
         np.testing.assert_allclose(ax.images[0].get_array(), w[h].numpy(), atol=1e-7)
-        assert tick_texts(ax, "x") == keys
-    assert tick_texts(panels[0], "y") == TOKENS
-    assert [a.get_label() for a in fig.axes].count("<colorbar>") == 1
+    # labels on the outer panels: the left column's rows, the lowest panel of each column
+    # (heads 1 and 2: head 1 has no panel below it)
+    assert [shown_tick_texts(ax, "y") for ax in panels] == [TOKENS, [], TOKENS]
+    assert [shown_tick_texts(ax, "x") for ax in panels] == [[], keys, keys]
+    assert [ax.get_xlabel() for ax in panels] == ["", "key", "key"]
+    assert [ax.get_ylabel() for ax in panels] == ["query", "", "query"]
+    assert colorbar_labels(fig) == ["attention weight"]
     assert fig.get_suptitle() == "all heads"
     # a 2 x 2 grid for 3 heads: the fourth axes is switched off
     assert sum(1 for a in fig.axes if not a.axison) == 1
+    assert_readable(fig)
+
+
+@pytest.mark.parametrize(("H", "L", "ncols"), [(12, 10, 3), (4, 5, 4), (12, 5, 4), (2, 10, 2), (8, 30, 1)])
+def test_head_grid_default_columns_fit_readable_panels(H, L, ncols):
+    tokens = ["[CLS]", "the", "bank", "of", "the", "river", "was", "flooded", ".", "[SEP]"] * 3
+    fig = head_grid(weights(H, L, L), tokens[:L])
+    panels = image_axes(fig)
+    assert len(panels) == H
+    assert fig.axes[0].get_gridspec().ncols == ncols
+    assert_readable(fig)
+
+
+def test_head_grid_with_too_many_columns_thins_labels_but_stays_readable():
+    fig = head_grid(weights(12, 10, 10), ncols=12)  # one row of 12 panels of 10 keys
+    assert fig.get_size_inches()[0] <= MAX_WIDTH_IN
+    bottom = image_axes(fig)[0]
+    assert 1 < len(shown_tick_texts(bottom, "x")) < 10
+    assert_readable(fig)
+
+
+def test_head_grid_colorbar_label():
+    assert colorbar_labels(head_grid(weights(2, 3, 3), colorbar_label="p")) == ["p"]
+    assert colorbar_labels(head_grid(causal_mask(3).expand(2, 3, 3))) == ["mask (1 = takes part)"]
+    with pytest.raises(TypeError, match=r"colorbar_label must be a str or None, got list"):
+        head_grid(weights(2, 3, 3), colorbar_label=["p"])
 
 
 def test_head_grid_names_and_errors():
@@ -158,10 +270,73 @@ def test_head_grid_names_and_errors():
         head_grid(w[0])
     with pytest.raises(ValueError, match=r"ncols must be a positive int or None, got 0"):
         head_grid(w, ncols=0)
+    with pytest.raises(ValueError, match=r"ncols must be a positive int or None, got True"):
+        head_grid(w, ncols=True)
     with pytest.raises(ValueError, match=r"head_names must have one name per head \(2\), got 1"):
         head_grid(w, head_names=["x"])
     with pytest.raises(ValueError, match=r"weights must hold at least one head, got shape \(0, 3, 3\)"):
         head_grid(torch.zeros(0, 3, 3))
+
+
+# --- heatmaps ----------------------------------------------------------------
+
+
+def test_heatmaps_mask_and_weights_side_by_side():
+    keep = causal_mask(5)
+    w = attention_weights(torch.randn(5, 4), torch.randn(5, 4), keep)
+    fig = heatmaps([keep, w], TOKENS, titles=["mask", "weights"], annotate=True)
+    mask_ax, weight_ax = image_axes(fig)
+    assert [mask_ax.get_title(), weight_ax.get_title()] == ["mask", "weights"]
+    assert colorbar_labels(fig) == ["mask (1 = takes part)", "attention weight"]
+    np.testing.assert_array_equal(mask_ax.images[0].get_array(), keep.float().numpy())
+    np.testing.assert_allclose(weight_ax.images[0].get_array(), w.numpy(), atol=1e-7)
+    assert mask_ax.texts[1].get_text() == "0" and weight_ax.texts[0].get_text() == "1.00"
+    assert len(mask_ax.texts) == len(weight_ax.texts) == 25
+    # one row; the query labels on the first panel, the key labels on both
+    assert mask_ax.get_subplotspec().colspan.start == 0 and weight_ax.get_subplotspec().colspan.start == 1
+    assert shown_tick_texts(mask_ax, "y") == TOKENS and shown_tick_texts(weight_ax, "y") == []
+    assert shown_tick_texts(mask_ax, "x") == shown_tick_texts(weight_ax, "x") == TOKENS
+    assert_readable(fig)
+
+
+def test_heatmaps_colorbar_labels_one_for_all_or_one_each():
+    w = weights(3, 3)
+    assert colorbar_labels(heatmaps([w, w], colorbar_labels="p")) == ["p", "p"]
+    assert colorbar_labels(heatmaps([w, causal_mask(3)], colorbar_labels=["p", None])) == [
+        "p", "mask (1 = takes part)"]
+    assert colorbar_labels(heatmaps((w,))) == ["attention weight"]  # a tuple is fine
+
+
+@pytest.mark.parametrize(("n", "L", "annotate"), [(2, 8, True), (3, 5, True), (3, 24, False)])
+def test_heatmaps_fit_the_column(n, L, annotate):
+    tokens = [f"token{i}" for i in range(L)]
+    assert_readable(heatmaps([weights(L, L, seed=k) for k in range(n)], tokens, annotate=annotate))
+
+
+def test_heatmaps_rejects_bad_input():
+    w = weights(3, 3)
+    with pytest.raises(TypeError, match=r"matrices must be a list of \(L, S\) matrices, got Tensor"):
+        heatmaps(torch.stack([w, w]))
+    with pytest.raises(ValueError, match=r"matrices must hold at least one matrix, got none"):
+        heatmaps([])
+    with pytest.raises(ValueError, match=r"matrices\[1\] must have 2 dims \(L, S\), got 3 dims"):
+        heatmaps([w, w[None]])
+    with pytest.raises(ValueError, match=r"matrices\[0\] must be attention weights in \[0, 1\]"):
+        heatmaps([w * 3, w])
+    with pytest.raises(ValueError, match=r"matrices must all have the same shape \(L, S\), got \[\(3, 3\), \(3, 4\)\]"):
+        heatmaps([w, weights(3, 4)])
+    with pytest.raises(ValueError, match=r"titles must have one title per matrix \(2\), got 1"):
+        heatmaps([w, w], titles=["one"])
+    with pytest.raises(ValueError, match=r"titles must have one title per matrix \(2\), got a str"):
+        heatmaps([w, w], titles="ab")
+    with pytest.raises(ValueError, match=r"colorbar_labels must be a str or one label per matrix \(2\), got 3"):
+        heatmaps([w, w], colorbar_labels=["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"colorbar_labels must be a str or one label per matrix \(2\), got int"):
+        heatmaps([w, w], colorbar_labels=5)
+    with pytest.raises(TypeError, match=r"colorbar_labels\[1\] must be a str or None, got int"):
+        heatmaps([w, w], colorbar_labels=["a", 2])
+    with pytest.raises(ValueError, match=r"query_labels must have one label per query row L \(3\), got 2"):
+        heatmaps([w, w], ["a", "b"])
 
 
 # --- to_svg ------------------------------------------------------------------
@@ -176,7 +351,7 @@ def test_to_svg_is_parseable_inline_svg_with_the_tokens():
     assert root.tag == f"{SVG}svg"
     assert "viewBox" in root.attrib
     texts = {"".join(t.itertext()).strip() for t in root.iter(f"{SVG}text")}
-    assert set(TOKENS) | {"key", "query", "one head", "weight"} <= texts
+    assert set(TOKENS) | {"key", "query", "one head", "attention weight"} <= texts
     assert "Date" not in svg and "<dc:date>" not in svg
 
 
@@ -186,6 +361,23 @@ def test_to_svg_is_deterministic_and_differs_between_figures():
     second = to_svg(heatmap(w, TOKENS))
     assert first == second
     assert to_svg(heatmap(weights(5, 5, seed=1), TOKENS)) != first
+    grid = head_grid(weights(3, 5, 5), TOKENS)
+    assert to_svg(grid) == to_svg(head_grid(weights(3, 5, 5), TOKENS))
+    pair = [causal_mask(5), weights(5, 5)]
+    assert to_svg(heatmaps(pair, annotate=True)) == to_svg(heatmaps(pair, annotate=True))
+
+
+def test_to_svg_keeps_the_text_size_for_the_page():
+    """The SVG says its size in pt and its text in user units: 9 pt labels stay 9 pt."""
+    svg = to_svg(head_grid(weights(12, 10, 10), TOKENS * 2))
+    root = ET.fromstring(svg)
+    width_pt = float(root.attrib["width"].removesuffix("pt"))
+    assert width_pt <= MAX_WIDTH_IN * 72
+    assert root.attrib["viewBox"].split()[2] == root.attrib["width"].removesuffix("pt")
+    import re
+
+    sizes = [float(s) for s in re.findall(r"font[^;\"]*?(\d+(?:\.\d+)?)px", svg)]
+    assert sizes and min(sizes) >= MIN_FONT_PT
 
 
 def test_to_svg_closes_pyplot_figures():
@@ -300,12 +492,13 @@ def test_explorer_html_embeds_the_data_and_accessible_controls():
     parsed.feed(fragment)
     tag, attrs = parsed.tags[0]
     assert tag == "div" and attrs["class"] == "attention-explorer" and attrs["id"] == "ex1"
-    assert attrs["data-initial-token"] == "2"
     assert not any(t == "script" for t, _ in parsed.tags)  # Material's instant navigation would run it
     data = json.loads(attrs["data-attention"])  # unescaped by the HTML parser, as by the browser
-    assert data["tokens"] == tokens
-    assert data["heads"] == ["x", "y", "z"]
-    np.testing.assert_allclose(np.array(data["weights"]), w.numpy(), atol=5e-5)
+    assert data["heads"] == ["x", "y", "z"] and data["layers"] == ["layer 0"]
+    [sentence] = data["sentences"]
+    assert sentence["tokens"] == tokens and sentence["initial"] == 2
+    np.testing.assert_allclose(np.array(sentence["weights"]), w.numpy()[None], atol=5e-5)  # (1, H, L, L)
+    assert not any(t == "select" and "layer" in a["class"] for t, a in parsed.tags)  # one layer: no menu
     assert parsed.buttons == tokens  # escaped in HTML, exact after parsing
     assert parsed.options == ["x", "y", "z"]
     selected = [a for t, a in parsed.tags if t == "option" and "selected" in a]
@@ -323,7 +516,7 @@ def test_explorer_html_tokens_cannot_break_out_of_the_markup():
     parsed = _Collect()
     parsed.feed(fragment)
     assert parsed.buttons == [token] and parsed.options == ["</option><b>"]
-    assert json.loads(parsed.tags[0][1]["data-attention"])["tokens"] == [token]
+    assert json.loads(parsed.tags[0][1]["data-attention"])["sentences"][0]["tokens"] == [token]
 
 
 def test_explorer_html_default_id_is_stable_and_data_dependent():
@@ -338,7 +531,7 @@ def test_explorer_html_rejects_bad_input():
     w = weights(2, 5, 5)
     with pytest.raises(ValueError, match=r"shape \(H, L, L\) with L = len\(tokens\) = 4, got \(2, 5, 5\)"):
         explorer_html(TOKENS[:4], w)
-    with pytest.raises(ValueError, match=r"weights must have 3 dims \(H, L, L\), got 2 dims"):
+    with pytest.raises(ValueError, match=r"weights must have 3 dims \(H, L, L\) or 4 dims .* got 2 dims"):
         explorer_html(TOKENS, w[0])
     with pytest.raises(ValueError, match=r"weights must have shape \(H, L, L\) .* got \(2, 5, 4\)"):
         explorer_html(TOKENS, weights(2, 5, 4))
@@ -352,3 +545,90 @@ def test_explorer_html_rejects_bad_input():
         explorer_html(TOKENS, w, initial_token=5)
     with pytest.raises(TypeError, match=r"tokens must be a sequence of str, got str"):
         explorer_html("the bank", w)
+
+
+def _explorer_data(fragment: str) -> tuple[_Collect, dict]:
+    parsed = _Collect()
+    parsed.feed(fragment)
+    return parsed, json.loads(parsed.tags[0][1]["data-attention"])
+
+
+def test_explorer_html_all_layers_and_sentences():
+    first = weights(3, 2, 5, 5)  # (layers, H, L, L)
+    second = weights(3, 2, 3, 3, seed=1)
+    fragment = explorer_html(
+        sentences={"the bank of the river": (TOKENS, first), "it was tired": (["it", "was", "tired"], second)},
+        layer_names=["low", "mid", "top"], element_id="ex2",
+        initial_sentence=1, initial_layer=2, initial_head=1, initial_token=[None, 0],
+    )
+    parsed, data = _explorer_data(fragment)
+    assert data["layers"] == ["low", "mid", "top"] and data["heads"] == ["head 0", "head 1"]
+    assert [s["text"] for s in data["sentences"]] == ["the bank of the river", "it was tired"]
+    assert [s["initial"] for s in data["sentences"]] == [None, 0]
+    for sentence, w in zip(data["sentences"], (first, second)):
+        np.testing.assert_allclose(np.array(sentence["weights"]), w.numpy(), atol=5e-5)
+        assert np.array(sentence["weights"]).shape == tuple(w.shape)
+    import re
+
+    text = fragment.split('data-attention="')[1].split('"')[0]
+    assert all(len(n.split(".")[-1]) <= 4 for n in re.findall(r"\d+\.\d+", text))  # 4 decimals at most
+    selects = {a["id"]: a["class"] for t, a in parsed.tags if t == "select"}
+    assert selects == {
+        "ex2-sentence": "attention-explorer-sentence", "ex2-layer": "attention-explorer-layer",
+        "ex2-head": "attention-explorer-head",
+    }
+    assert [a["for"] for t, a in parsed.tags if t == "label"] == ["ex2-sentence", "ex2-layer", "ex2-head"]
+    assert parsed.options == ["the bank of the river", "it was tired", "low", "mid", "top", "head 0", "head 1"]
+    selected = [a["value"] for t, a in parsed.tags if t == "option" and "selected" in a]
+    assert selected == ["1", "2", "1"]  # sentence 1, layer 2, head 1
+    assert parsed.buttons == ["it", "was", "tired"]  # the tokens of the sentence shown first
+    assert any(t == "div" and a.get("class") == "attention-explorer-thumbs" for t, a in parsed.tags)
+
+
+def test_explorer_html_int_initial_token_picks_in_the_initial_sentence():
+    one = weights(2, 5, 5)
+    two = weights(2, 3, 3, seed=2)
+    _, data = _explorer_data(
+        explorer_html(sentences={"a": (TOKENS, one), "b": (["x", "y", "z"], two)}, initial_sentence=1, initial_token=2)
+    )
+    assert [s["initial"] for s in data["sentences"]] == [None, 2]
+    _, data = _explorer_data(explorer_html(TOKENS, one[None]))  # (1, H, L, L): one layer, 4 dims
+    assert data["layers"] == ["layer 0"] and data["sentences"][0]["text"] == "the bank of the river"
+
+
+def test_explorer_html_rejects_bad_layers_and_sentences():
+    w = weights(3, 2, 5, 5)
+    three = (["a", "b", "c"], weights(3, 2, 3, 3))
+    with pytest.raises(TypeError, match=r"either tokens and weights, or sentences, not both"):
+        explorer_html(TOKENS, w, sentences={"s": (TOKENS, w)})
+    with pytest.raises(TypeError, match=r"needs tokens and weights, or sentences"):
+        explorer_html(TOKENS)
+    with pytest.raises(TypeError, match=r"sentences must be a mapping from str to \(tokens, weights\), got list"):
+        explorer_html(sentences=[(TOKENS, w)])
+    with pytest.raises(ValueError, match=r"sentences must hold at least one sentence"):
+        explorer_html(sentences={})
+    with pytest.raises(TypeError, match=r"sentences\['s'\] must be a pair \(tokens, weights\), got tuple"):
+        explorer_html(sentences={"s": (TOKENS, w, 0)})
+    with pytest.raises(ValueError, match=r"sentences\['s'\] weights must have shape \(layers, H, L, L\) "
+                       r"with L = len\(tokens\) = 3, got \(3, 2, 5, 5\)"):
+        explorer_html(sentences={"s": (["a", "b", "c"], w)})
+    with pytest.raises(ValueError, match=r"weights must have 3 dims \(H, L, L\) or 4 dims \(layers, H, L, L\), "
+                       r"got 5 dims with shape \(1, 3, 2, 5, 5\)"):
+        explorer_html(TOKENS, w[None])
+    with pytest.raises(ValueError, match=r"same number of layers and heads: 's' has \(layers, H\) = \(3, 2\), "
+                       r"'t' has \(2, 2\)"):
+        explorer_html(sentences={"s": (TOKENS, w), "t": (["a", "b", "c"], weights(2, 2, 3, 3))})
+    with pytest.raises(ValueError, match=r"layer_names must have one name per layer \(3\), got 2"):
+        explorer_html(TOKENS, w, layer_names=["a", "b"])
+    with pytest.raises(ValueError, match=r"initial_layer must be an int in \[0, 2\], got 3"):
+        explorer_html(TOKENS, w, initial_layer=3)
+    with pytest.raises(ValueError, match=r"initial_sentence must be an int in \[0, 1\], got 2"):
+        explorer_html(sentences={"s": (TOKENS, w), "t": three}, initial_sentence=2)
+    with pytest.raises(ValueError, match=r"initial_token must have one entry per sentence \(2\), got 1"):
+        explorer_html(sentences={"s": (TOKENS, w), "t": three}, initial_token=[0])
+    with pytest.raises(ValueError, match=r"initial_token for sentence 1 must be None or an int in \[0, 2\], got 3"):
+        explorer_html(sentences={"s": (TOKENS, w), "t": three}, initial_token=[0, 3])
+    with pytest.raises(ValueError, match=r"initial_token must be None or an int, got \[0\]"):
+        explorer_html(TOKENS, w, initial_token=[0])  # a list needs sentences
+    with pytest.raises(ValueError, match=r"weights must be attention weights in \[0, 1\]"):
+        explorer_html(TOKENS, w * 2)

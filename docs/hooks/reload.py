@@ -7,15 +7,18 @@ edit; `watch:` in mkdocs.yml makes package edits trigger one) this drops the pac
 from `sys.modules` and empties markdown-exec's session namespaces.
 
 Under `mkdocs serve` only, it also keeps the output of every executed block from the previous
-builds, keyed by a fingerprint of the package's source, the block's session and the code of that
-session's blocks up to and including this one. A rebuild after editing one page then executes
-only that page's changed blocks (replaying the earlier blocks of their session first, silently,
-so the namespace is right); an edit to the package's code changes the fingerprint and re-executes
-everything. The fingerprint covers the package's code, not its text: it is taken from the syntax
-tree with the docstrings removed (comments and layout are not in the tree), so editing a
-docstring or a comment re-renders the API pages (mkdocstrings reads the source anew) but re-runs
-no block, except in the sessions that read source text themselves (`inspect`, `__doc__`, `help(`):
-those are keyed by the text. `mkdocs build` (CI, the tests, publishing) never uses the cache.
+builds, and re-executes a block only when something it depends on changed: its own code, the
+code of the earlier blocks of its session, or the code of the package functions that it or
+those earlier blocks actually ran. While a block executes, a trace function records every
+function of the package that runs (one call event per Python call, no line events); the cached
+output remembers a digest of those functions' code (syntax trees without docstrings, so comments,
+layout and docstrings do not count) and of their modules' top-level code (imports, constants,
+class bodies, signatures). After an edit, only the blocks whose recorded functions changed run
+again: editing `viz.heatmap` re-runs the blocks that drew a heatmap, editing the core function
+re-runs everything. A rebuild after editing one page executes only that page's changed blocks
+(replaying the earlier blocks of their session first, silently, so the namespace is right).
+Sessions that read source text themselves (`inspect`, `__doc__`, `help(`) are keyed by the
+package's text instead. `mkdocs build` (CI, the tests, publishing) never uses the cache.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import hashlib
 import logging
 import os
 import sys
+from typing import NamedTuple
 from pathlib import Path
 
 PACKAGE = "attention_ref"
@@ -65,11 +69,8 @@ def on_pre_build(config, **kwargs) -> None:
     for name in dropped:
         del sys.modules[name]
     sessions = _clear_markdown_exec_sessions()
-    _CACHE_STATE["code"], _CACHE_STATE["text"] = _package_fingerprints()
-    _CACHE_STATE["chains"] = {}
-    _CACHE_STATE["pending"] = {}
-    _CACHE_STATE["reads_source"] = set()
-    log.debug("reload hook: package code %s, text %s", _CACHE_STATE["code"][:12], _CACHE_STATE["text"][:12])
+    _CACHE_STATE.update(text=_package_text(), chains={}, chain_deps={}, pending={}, reads_source=set(),
+                        modules={})
     if dropped or sessions:
         log.info("reload hook: dropped %d %s modules, cleared %d markdown-exec sessions",
                  len(dropped), PACKAGE, sessions)
@@ -77,11 +78,19 @@ def on_pre_build(config, **kwargs) -> None:
 
 # ---- serve-only cache of executed block outputs --------------------------------------------
 
-_CACHE: dict[str, str] = {}  # key -> the block's printed output
-_CACHE_STATE: dict = {"code": "", "text": "", "chains": {}, "pending": {}, "reads_source": set(), "hits": 0,
-                      "runs": 0}
 #: A block whose code contains one of these may print the package's source or docstrings.
 _READS_SOURCE = ("inspect", "__doc__", "help(")
+
+
+class _Entry(NamedTuple):
+    output: str  # what the block printed
+    deps: frozenset[tuple[str, str]]  # (file, qualified name) of the package code it and its chain ran
+    digest: str  # _deps_digest(deps) when it ran
+
+
+_CACHE: dict[str, _Entry] = {}  # key (session, code chain) -> the cached run
+_CACHE_STATE: dict = {"text": "", "chains": {}, "chain_deps": {}, "pending": {}, "reads_source": set(),
+                      "modules": {}, "hits": 0, "runs": 0}
 
 
 def _digest(*parts: str) -> str:
@@ -92,12 +101,19 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()
 
 
-def _package_fingerprints() -> tuple[str, str]:
-    """Digests of the package's code (syntax trees without docstrings) and of its text as written."""
-    sources = [(str(f.relative_to(PACKAGE_DIR)), f.read_text()) for f in sorted(PACKAGE_DIR.rglob("*.py"))]
-    code = _digest(*(f"{name}\n{_code_of(text)}" for name, text in sources))
-    text = _digest(*(f"{name}\n{text}" for name, text in sources))
-    return code, text
+def _package_text() -> str:
+    """Digest of the package's source text as written (for the sessions that print source)."""
+    return _digest(*(f"{f.relative_to(PACKAGE_DIR)}\n{f.read_text()}" for f in sorted(PACKAGE_DIR.rglob("*.py"))))
+
+
+def _strip_docstrings(node: ast.AST) -> ast.AST:
+    for child in ast.walk(node):
+        body = getattr(child, "body", None)
+        if isinstance(body, list):
+            kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                            and isinstance(s.value.value, str))]
+            child.body = kept or [ast.Pass()]
+    return node
 
 
 def _code_of(source: str) -> str:
@@ -106,13 +122,70 @@ def _code_of(source: str) -> str:
         tree = ast.parse(source)
     except SyntaxError:  # a file in the middle of an edit: its text is all there is
         return source
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list):
-            kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
-                                            and isinstance(s.value.value, str))]
-            node.body = kept or [ast.Pass()]
-    return ast.dump(tree)
+    return ast.dump(_strip_docstrings(tree))
+
+
+def _module_index(source: str) -> tuple[str, dict[str, str]]:
+    """A module's top-level code (function bodies left out) and the code of each function.
+
+    Functions are named by qualified name (``Class.method``); nested functions, lambdas and
+    comprehensions belong to the function around them.
+    """
+    try:
+        tree = _strip_docstrings(ast.parse(source))
+    except SyntaxError:  # mid-edit: every function "changed"
+        return source, {}
+    functions: dict[str, str] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[prefix + node.name] = ast.dump(node)
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, f"{prefix}{node.name}.")
+
+    visit(tree.body, "")
+    for node in ast.walk(tree):  # the top-level code keeps signatures and decorators only
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.body = [ast.Pass()]
+    return ast.dump(tree), functions
+
+
+def _dep_digest(path: str, qualname: str) -> str:
+    modules = _CACHE_STATE["modules"]  # per build: path -> _module_index of its current text
+    if path not in modules:
+        try:
+            modules[path] = _module_index(Path(path).read_text())
+        except OSError:  # a deleted module
+            modules[path] = ("", {})
+    top_level, functions = modules[path]
+    outer = qualname.split(".<locals>.", 1)[0]
+    return _digest(path, top_level, functions.get(outer, ""))
+
+
+def _deps_digest(deps: frozenset[tuple[str, str]]) -> str:
+    return _digest(*(f"{path}:{name}:{_dep_digest(path, name)}" for path, name in sorted(deps)))
+
+
+def _traced(run, deps: set[tuple[str, str]]):
+    """``run`` wrapped so that the package functions it calls are added to ``deps``."""
+    prefix = str(PACKAGE_DIR) + os.sep
+
+    def trace(frame, event, arg):
+        code = frame.f_code
+        if code.co_filename.startswith(prefix):
+            deps.add((code.co_filename, code.co_qualname))
+        return None  # no line events
+
+    def traced_run(*args, **kwargs):
+        previous = sys.gettrace()
+        sys.settrace(trace)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            sys.settrace(previous)
+
+    return traced_run
 
 
 def _install_block_cache() -> None:
@@ -126,24 +199,32 @@ def _install_block_cache() -> None:
         state = _CACHE_STATE
         reads_source = any(token in code for token in _READS_SOURCE)
         if session is None:
-            key = _digest(state["text" if reads_source else "code"], "", code)
+            key = _digest(state["text"] if reads_source else "", "", code)
+            chain_deps: frozenset = frozenset()
         else:
             if reads_source:  # from here on the session's namespace may hold source text
                 state["reads_source"].add(session)
             chain = _digest(state["chains"].get(session, ""), code)
             state["chains"][session] = chain
-            key = _digest(state["text" if session in state["reads_source"] else "code"], session, chain)
-        if key in _CACHE:
+            key = _digest(state["text"] if session in state["reads_source"] else "", session, chain)
+            chain_deps = state["chain_deps"].get(session, frozenset())
+        entry = _CACHE.get(key)
+        if entry is not None and _deps_digest(entry.deps) == entry.digest:
             state["hits"] += 1
             if session is not None:  # not executed: remember it in case a later block misses
                 state["pending"].setdefault(session, []).append((code, extra))
-            return _CACHE[key]
+                state["chain_deps"][session] = entry.deps
+            return entry.output
         if session is not None:  # bring the session's namespace up to date first
             for earlier_code, earlier_extra in state["pending"].pop(session, []):
                 run(earlier_code, session=session, **earlier_extra)
-        output = run(code, returncode, session, id, **extra)
+        deps: set[tuple[str, str]] = set(chain_deps)
+        output = _traced(run, deps)(code, returncode, session, id, **extra)
         state["runs"] += 1
-        _CACHE[key] = output
+        deps_frozen = frozenset(deps)
+        _CACHE[key] = _Entry(output, deps_frozen, _deps_digest(deps_frozen))
+        if session is not None:
+            state["chain_deps"][session] = deps_frozen
         return output
 
     cached_run._attention_ref_cached = True

@@ -48,31 +48,70 @@ def test_code_digest_ignores_docstrings_comments_and_layout(hook):
     assert hook._code_of(broken) == broken
 
 
-def test_blocks_rerun_when_the_code_changes_and_readers_of_source_when_the_text_does(hook, monkeypatch):
+MODULE = '''"""A stand-in for a module of the package."""
+
+LIMIT = 3
+
+
+def f(x):
+    """Used by session s1."""
+    return x + LIMIT
+
+
+def g(x):
+    return 2 * x
+
+
+def h(x):
+    return -x
+'''
+
+
+def test_blocks_rerun_when_the_package_code_they_ran_changes(hook, monkeypatch, tmp_path):
     from markdown_exec._internal.formatters import python as formatter
 
+    package = tmp_path / "pkg"
+    package.mkdir()
+    module_file = package / "mod.py"
+    monkeypatch.setattr(hook, "PACKAGE_DIR", package)
     executed: list[str] = []
 
     def recorder(code, returncode=None, session=None, id=None, **extra):  # noqa: A002
         executed.append(code)
+        if code.startswith("use "):  # a block that calls a function of the package
+            spec = importlib.util.spec_from_file_location("pkg_mod", module_file)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return f"{code} -> {getattr(module, code[4:])(1)}"
         return f"output of {code!r}"
 
     monkeypatch.setattr(formatter, "_run_python", recorder)
     hook._install_block_cache()
-    blocks = [("x = 1", "plain"), ("print(x)", "plain"), ("import inspect", "source"), ("print(2)", "source")]
+    blocks = [("use f", "s1"), ("print(1)", "s1"), ("use g", "s2"),
+              ("import inspect", "src"), ("print(2)", "src")]
 
-    def build(code_digest: str, text_digest: str) -> list[str]:
-        hook._CACHE_STATE.update(code=code_digest, text=text_digest, chains={}, pending={}, reads_source=set())
+    def build(source: str) -> list[str]:
+        module_file.write_text(source)
+        hook._CACHE_STATE.update(text=hook._package_text(), chains={}, chain_deps={}, pending={},
+                                 reads_source=set(), modules={})
         executed.clear()
         outputs = [formatter._run_python(code, session=session) for code, session in blocks]
-        assert outputs == [f"output of {code!r}" for code, _ in blocks]  # cached or not, the same output
+        assert outputs[0] == f"use f -> {1 + int(source.split('LIMIT = ')[1].split()[0])}"
         return list(executed)
 
-    assert build("code-1", "text-1") == [code for code, _ in blocks]  # first build: everything runs
-    assert build("code-1", "text-1") == []  # nothing changed
-    # A docstring or comment edit: only the session that reads source runs again (both its blocks).
-    assert build("code-1", "text-2") == ["import inspect", "print(2)"]
-    assert build("code-2", "text-3") == [code for code, _ in blocks]  # a code edit: everything
-    # Editing the second block of a session replays the first (its namespace), then runs it.
-    blocks[1] = ("print(x + 1)", "plain")
-    assert build("code-2", "text-3") == ["x = 1", "print(x + 1)"]
+    everything = [code for code, _ in blocks]
+    source_readers = ["import inspect", "print(2)"]
+    assert build(MODULE) == everything  # first build: everything runs
+    assert build(MODULE) == []  # nothing changed
+    # docstrings, comments and layout are not code: only the session that reads source runs
+    assert build(MODULE.replace("Used by session s1.", "Edited.")) == source_readers
+    assert build(MODULE.replace("return x + LIMIT", "return x + LIMIT  # edited")) == source_readers
+    # a function that ran changed: its session runs again, all of it; the others do not
+    assert build(MODULE.replace("x + LIMIT", "LIMIT + x")) == ["use f", "print(1)", *source_readers]
+    assert build(MODULE.replace("x + LIMIT", "LIMIT + x").replace("-x", "-2 * x")) == source_readers
+    # top-level code (a constant) changed: every block that ran the module's code runs again
+    edited = MODULE.replace("x + LIMIT", "LIMIT + x").replace("-x", "-2 * x").replace("= 3", "= 4")
+    assert build(edited) == ["use f", "print(1)", "use g", *source_readers]
+    # editing the second block of a session replays the first (its namespace), then runs it
+    blocks[1] = ("print(1 + 1)", "s1")
+    assert build(edited) == ["use f", "print(1 + 1)"]
