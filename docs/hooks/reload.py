@@ -24,10 +24,15 @@ package's text instead. `mkdocs build` (CI, the tests, publishing) never uses th
 from __future__ import annotations
 
 import ast
+import builtins
 import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import sys
+import time
 from typing import NamedTuple
 from pathlib import Path
 
@@ -70,7 +75,7 @@ def on_pre_build(config, **kwargs) -> None:
         del sys.modules[name]
     sessions = _clear_markdown_exec_sessions()
     _CACHE_STATE.update(text=_package_text(), chains={}, chain_deps={}, pending={}, reads_source=set(),
-                        modules={})
+                        modules={}, digests={})
     if dropped or sessions:
         log.info("reload hook: dropped %d %s modules, cleared %d markdown-exec sessions",
                  len(dropped), PACKAGE, sessions)
@@ -88,9 +93,13 @@ class _Entry(NamedTuple):
     digest: str  # _deps_digest(deps) when it ran
 
 
-_CACHE: dict[str, _Entry] = {}  # key (session, code chain) -> the cached run
+#: key (session, code chain) -> its cached runs, newest last; a few are kept, so that undoing an
+#: edit of the package finds the run from before the edit
+_CACHE: dict[str, list[_Entry]] = {}
+_RUNS_KEPT = 3
 _CACHE_STATE: dict = {"text": "", "chains": {}, "chain_deps": {}, "pending": {}, "reads_source": set(),
-                      "modules": {}, "hits": 0, "runs": 0}
+                      "modules": {}, "digests": {}, "hits": 0, "runs": 0, "seconds": 0.0,
+                      "slowest": []}
 
 
 def _digest(*parts: str) -> str:
@@ -146,46 +155,111 @@ def _module_index(source: str) -> tuple[str, dict[str, str]]:
 
     visit(tree.body, "")
     for node in ast.walk(tree):  # the top-level code keeps signatures and decorators only
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            node.body = [ast.Pass()]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_jit(node):
+            node.body = [ast.Pass()]  # (Triton kernels record no calls: they stay whole)
     return ast.dump(tree), functions
 
 
 def _dep_digest(path: str, qualname: str) -> str:
-    modules = _CACHE_STATE["modules"]  # per build: path -> _module_index of its current text
+    memo = _CACHE_STATE["digests"]  # per build: (path, qualname) -> digest
+    if (path, qualname) in memo:
+        return memo[path, qualname]
+    modules = _CACHE_STATE["modules"]  # per build: path -> digest of its top-level code, functions
     if path not in modules:
         try:
-            modules[path] = _module_index(Path(path).read_text())
+            top_level, functions = _module_index(Path(path).read_text())
         except OSError:  # a deleted module
-            modules[path] = ("", {})
+            top_level, functions = "", {}
+        modules[path] = (_digest(path, top_level), functions)
     top_level, functions = modules[path]
     outer = qualname.split(".<locals>.", 1)[0]
-    return _digest(path, top_level, functions.get(outer, ""))
+    memo[path, qualname] = _digest(top_level, functions.get(outer, ""))
+    return memo[path, qualname]
 
 
 def _deps_digest(deps: frozenset[tuple[str, str]]) -> str:
     return _digest(*(f"{path}:{name}:{_dep_digest(path, name)}" for path, name in sorted(deps)))
 
 
-def _traced(run, deps: set[tuple[str, str]]):
-    """``run`` wrapped so that the package functions it calls are added to ``deps``."""
-    prefix = str(PACKAGE_DIR) + os.sep
+#: The name the instrumented package code records its calls into (found through builtins).
+_RECORD = "__attention_ref_calls__"
 
-    def trace(frame, event, arg):
-        code = frame.f_code
-        if code.co_filename.startswith(prefix):
-            deps.add((code.co_filename, code.co_qualname))
-        return None  # no line events
 
-    def traced_run(*args, **kwargs):
-        previous = sys.gettrace()
-        sys.settrace(trace)
+def _is_jit(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A Triton kernel (``@triton.jit``): Triton reads its source, so it is left as written."""
+    return any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
+
+
+def _instrument(tree: ast.Module, path: str) -> ast.Module:
+    """Make every function and method of a module add ``(path, qualified name)`` to the set in
+    ``builtins.__attention_ref_calls__`` when it is called (one statement after the docstring,
+    on the line of the body's first statement, so tracebacks and line numbers are unchanged)."""
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_jit(node):
+                record = ast.parse(f"{_RECORD}.add(({path!r}, {prefix + node.name!r}))").body[0]
+                first = node.body[0]
+                docstring = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                             and isinstance(first.value.value, str))
+                at = 1 if docstring else 0  # after the docstring, which must stay first
+                for child in ast.walk(record):
+                    ast.copy_location(child, node.body[min(at, len(node.body) - 1)])
+                node.body.insert(at, record)
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, f"{prefix}{node.name}.")
+
+    visit(tree.body, "")
+    return tree
+
+
+class _RecordingLoader(importlib.machinery.SourceFileLoader):
+    """Loads a module of the package from its source, instrumented by `_instrument`, never from
+    a cached .pyc (which would be the uninstrumented code)."""
+
+    def get_code(self, fullname: str):
+        path = self.get_filename(fullname)
+        return self.source_to_code(self.get_data(path), path)
+
+    def source_to_code(self, data, path, *, _optimize=-1):
+        try:
+            tree = ast.parse(data, filename=path)
+        except SyntaxError:  # compile it as it is, so the import raises the real error
+            return super().source_to_code(data, path)
+        return compile(_instrument(tree, str(path)), path, "exec", dont_inherit=True)
+
+
+class _RecordingFinder(importlib.abc.MetaPathFinder):
+    """Finds the package's modules in PACKAGE_DIR and loads them with `_RecordingLoader`."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != PACKAGE and not fullname.startswith(PACKAGE + "."):
+            return None
+        parts = fullname.split(".")[1:]
+        folder = PACKAGE_DIR.joinpath(*parts)
+        if (folder / "__init__.py").is_file():
+            file, locations = folder / "__init__.py", [str(folder)]
+        elif folder.with_suffix(".py").is_file():
+            file, locations = folder.with_suffix(".py"), None
+        else:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, file, loader=_RecordingLoader(fullname, str(file)),
+            submodule_search_locations=locations)
+
+
+def _recording(run, calls: set[tuple[str, str]]):
+    """``run`` wrapped so that the package functions it calls are added to ``calls``."""
+
+    def recording_run(*args, **kwargs):
+        previous = getattr(builtins, _RECORD)
+        setattr(builtins, _RECORD, calls)
         try:
             return run(*args, **kwargs)
         finally:
-            sys.settrace(previous)
+            setattr(builtins, _RECORD, previous)
 
-    return traced_run
+    return recording_run
 
 
 def _install_block_cache() -> None:
@@ -194,6 +268,8 @@ def _install_block_cache() -> None:
     run = formatter._run_python
     if getattr(run, "_attention_ref_cached", False):
         return
+    setattr(builtins, _RECORD, set())  # calls outside any block land here, unused
+    sys.meta_path.insert(0, _RecordingFinder())
 
     def cached_run(code, returncode=None, session=None, id=None, **extra):  # noqa: A002
         state = _CACHE_STATE
@@ -208,8 +284,8 @@ def _install_block_cache() -> None:
             state["chains"][session] = chain
             key = _digest(state["text"] if session in state["reads_source"] else "", session, chain)
             chain_deps = state["chain_deps"].get(session, frozenset())
-        entry = _CACHE.get(key)
-        if entry is not None and _deps_digest(entry.deps) == entry.digest:
+        entry = next((e for e in reversed(_CACHE.get(key, [])) if _deps_digest(e.deps) == e.digest), None)
+        if entry is not None:
             state["hits"] += 1
             if session is not None:  # not executed: remember it in case a later block misses
                 state["pending"].setdefault(session, []).append((code, extra))
@@ -219,10 +295,16 @@ def _install_block_cache() -> None:
             for earlier_code, earlier_extra in state["pending"].pop(session, []):
                 run(earlier_code, session=session, **earlier_extra)
         deps: set[tuple[str, str]] = set(chain_deps)
-        output = _traced(run, deps)(code, returncode, session, id, **extra)
+        start = time.perf_counter()
+        output = _recording(run, deps)(code, returncode, session, id, **extra)
         state["runs"] += 1
+        seconds = time.perf_counter() - start
+        state["seconds"] += seconds
+        state["slowest"].append((seconds, session or "(no session)", code.strip().splitlines()[0][:60]))
         deps_frozen = frozenset(deps)
-        _CACHE[key] = _Entry(output, deps_frozen, _deps_digest(deps_frozen))
+        runs = _CACHE.setdefault(key, [])
+        runs.append(_Entry(output, deps_frozen, _deps_digest(deps_frozen)))
+        del runs[:-_RUNS_KEPT]
         if session is not None:
             state["chain_deps"][session] = deps_frozen
         return output
@@ -233,6 +315,9 @@ def _install_block_cache() -> None:
 
 def on_post_build(config, **kwargs) -> None:
     if _CACHE_STATE["hits"] or _CACHE_STATE["runs"]:
-        log.info("reload hook: %d blocks executed, %d served from the serve cache",
-                 _CACHE_STATE["runs"], _CACHE_STATE["hits"])
-    _CACHE_STATE["hits"] = _CACHE_STATE["runs"] = 0
+        log.info("reload hook: %d blocks executed (%.1f s), %d served from the serve cache",
+                 _CACHE_STATE["runs"], _CACHE_STATE["seconds"], _CACHE_STATE["hits"])
+        for seconds, session, first_line in sorted(_CACHE_STATE["slowest"], reverse=True)[:5]:
+            if seconds >= 0.25:
+                log.info("reload hook:   %.2f s  session %s: %s", seconds, session, first_line)
+    _CACHE_STATE.update(hits=0, runs=0, seconds=0.0, slowest=[])

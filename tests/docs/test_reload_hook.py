@@ -6,7 +6,9 @@ recorder, so the tests see which blocks the hook lets through to execution.
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,13 +81,16 @@ def test_blocks_rerun_when_the_package_code_they_ran_changes(hook, monkeypatch, 
     def recorder(code, returncode=None, session=None, id=None, **extra):  # noqa: A002
         executed.append(code)
         if code.startswith("use "):  # a block that calls a function of the package
-            spec = importlib.util.spec_from_file_location("pkg_mod", module_file)
+            spec = importlib.util.spec_from_file_location(  # as the hook's finder loads it
+                "pkg_mod", module_file, loader=hook._RecordingLoader("pkg_mod", str(module_file)))
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return f"{code} -> {getattr(module, code[4:])(1)}"
         return f"output of {code!r}"
 
     monkeypatch.setattr(formatter, "_run_python", recorder)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # undo the hook's finder after
+    monkeypatch.setattr(builtins, hook._RECORD, set(), raising=False)
     hook._install_block_cache()
     blocks = [("use f", "s1"), ("print(1)", "s1"), ("use g", "s2"),
               ("import inspect", "src"), ("print(2)", "src")]
@@ -93,7 +98,7 @@ def test_blocks_rerun_when_the_package_code_they_ran_changes(hook, monkeypatch, 
     def build(source: str) -> list[str]:
         module_file.write_text(source)
         hook._CACHE_STATE.update(text=hook._package_text(), chains={}, chain_deps={}, pending={},
-                                 reads_source=set(), modules={})
+                                 reads_source=set(), modules={}, digests={})
         executed.clear()
         outputs = [formatter._run_python(code, session=session) for code, session in blocks]
         assert outputs[0] == f"use f -> {1 + int(source.split('LIMIT = ')[1].split()[0])}"
@@ -112,6 +117,29 @@ def test_blocks_rerun_when_the_package_code_they_ran_changes(hook, monkeypatch, 
     # top-level code (a constant) changed: every block that ran the module's code runs again
     edited = MODULE.replace("x + LIMIT", "LIMIT + x").replace("-x", "-2 * x").replace("= 3", "= 4")
     assert build(edited) == ["use f", "print(1)", "use g", *source_readers]
+    # undoing an edit finds the runs from before it (the package text was seen before too)
+    assert build(MODULE.replace("x + LIMIT", "LIMIT + x")) == []
     # editing the second block of a session replays the first (its namespace), then runs it
     blocks[1] = ("print(1 + 1)", "s1")
     assert build(edited) == ["use f", "print(1 + 1)"]
+
+
+def test_instrumented_code_keeps_docstrings_and_line_numbers(hook, tmp_path):
+    source = 'def f(x):\n    """Doc."""\n    y = x + 1\n    raise ValueError(y)\n\n\ndef g():\n    return 1\n'
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    loader = hook._RecordingLoader("m_under_test", str(path))
+    namespace: dict = {}
+    calls: set = set()
+    builtins_before = getattr(builtins, hook._RECORD, None)
+    setattr(builtins, hook._RECORD, calls)
+    try:
+        exec(loader.get_code("m_under_test"), namespace)
+        assert namespace["f"].__doc__ == "Doc."
+        assert namespace["g"]() == 1
+        with pytest.raises(ValueError) as error:
+            namespace["f"](1)
+        assert error.traceback[-1].lineno + 1 == 4  # the raise is still on line 4
+    finally:
+        setattr(builtins, hook._RECORD, builtins_before)
+    assert calls == {(str(path), "f"), (str(path), "g")}
