@@ -1,6 +1,6 @@
 """The built site teaches: code in view, nothing clipped, readable figures, exercises, notebooks.
 
-On every teaching page (tutorial, how-to, explanation, contributors):
+On every teaching page (the home page, tutorial, how-to, explanation, contributors):
 
 - every executed block shows its code above its result (markdown-exec ``source="above"``), and
   no block's code hides behind a "Source" tab in the built page;
@@ -24,7 +24,8 @@ import pytest
 
 from test_browser import DOCS, SOURCES, built_page, find_blocks, page_path
 
-TEACHING = [s for s in SOURCES if s.startswith(("tutorial/", "howto/", "explanation/", "contributors/"))]
+TEACHING = [s for s in SOURCES
+            if s == "index.md" or s.startswith(("tutorial/", "howto/", "explanation/", "contributors/"))]
 TUTORIAL = [s for s in SOURCES if s.startswith("tutorial/")]
 VIEWPORT = {"width": 1280, "height": 900}
 MIN_FIGURE_TEXT_PX = 7.0
