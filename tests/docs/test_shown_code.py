@@ -1,0 +1,116 @@
+"""A reader who copies the code a page shows, block by block, gets the output the page prints.
+
+Every executed block may hide lines from the reader (``# markdown-exec: hide``: the asserts
+that keep the page honest, figure styling). Hidden lines must not change what the page
+prints (a figure may lose its styling, such as axis labels, never change a word): for every page, its blocks run once as written and once with the hidden lines left
+out, each session in its own namespace, and every block must print the same in both runs.
+A block whose output changes from one run of the full code to the next (a measured time, a
+plot of one) cannot be compared, and is reported as skipped; it is found by running the page
+as written a second time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def _fences():
+    name = "attention_ref_docs_fences"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / "fences.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+fences = _fences()
+PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
+               if fences.find_blocks(p))
+
+
+def run_page(blocks, *, shown: bool) -> list[str]:
+    """What each block prints, running the whole code or only the shown code."""
+    namespaces: dict[str, dict] = {}
+    outputs = []
+    for block in blocks:
+        if block.session:
+            namespace = namespaces.setdefault(block.session, {"__name__": f"page_{block.session}"})
+        else:
+            namespace = {"__name__": "page_block"}
+        printed = io.StringIO()
+        namespace["print"] = lambda *texts, end="\n", **kwargs: printed.write(
+            " ".join(str(t) for t in texts) + end)
+        code = block.shown_code if shown else block.code
+        try:
+            exec(compile("\n" * block.line + code, str(block.path), "exec"), namespace)
+        except Exception as error:  # noqa: BLE001 - the difference is what the test reports
+            printed.write(f"\n[raised {type(error).__name__}: {error}]")
+        outputs.append(printed.getvalue())
+    return outputs
+
+
+_SVG = re.compile(r"<svg\b.*?</svg>", re.DOTALL)
+_SVG_TEXT = re.compile(r"<text\b[^>]*>([^<]*)</text>")
+
+
+def same_output(full: str, shown: str) -> bool:
+    """Whether the shown code printed what the whole code printed. Text must be equal. A figure
+    (inline SVG) may lose words, since hidden lines may style it (axis labels, titles, legends),
+    but every word it shows must be one the page's figure shows, and the figures are as many."""
+    full_svgs, shown_svgs = _SVG.findall(full), _SVG.findall(shown)
+    if _SVG.sub("<svg>", full) != _SVG.sub("<svg>", shown) or len(full_svgs) != len(shown_svgs):
+        return False
+    return all(set(_SVG_TEXT.findall(b)) <= set(_SVG_TEXT.findall(a))
+               for a, b in zip(full_svgs, shown_svgs))
+
+
+def describe(output: str) -> str:
+    return _SVG.sub(lambda m: "<svg with words: " + " | ".join(_SVG_TEXT.findall(m.group())) + ">",
+                    output)[:600]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(ROOT)
+    blocks = fences.find_blocks(ROOT / page)
+    full = run_page(blocks, shown=False)
+    shown = run_page(blocks, shown=True)
+    differ = [i for i, (a, b) in enumerate(zip(full, shown)) if not same_output(a, b)]
+    if not differ:
+        return
+    again = run_page(blocks, shown=False)
+    varying = [i for i in differ if again[i] != full[i]]
+    wrong = [i for i in differ if i not in varying]
+    report = [f"{page}:{blocks[i].line}: printed\n{describe(full[i])}\n"
+              f"but its shown code alone printed\n{describe(shown[i])}" for i in wrong]
+    assert not wrong, "hidden lines change what the page prints:\n\n" + "\n\n".join(report)
+    pytest.skip(f"{page}: {len(varying)} block(s) print measured values that vary from run to run "
+                f"(lines {', '.join(str(blocks[i].line) for i in varying)})")
+
+
+def test_a_hidden_line_that_changes_the_output_is_caught(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text('```python exec="on" session="s"\nx = 1\nx += 1  # markdown-exec: hide\n'
+                    'print(x)\n```\n')
+    blocks = fences.find_blocks(page)
+    assert run_page(blocks, shown=False) == ["2\n"]
+    assert run_page(blocks, shown=True) == ["1\n"]
+
+
+def test_a_figure_may_lose_its_styling_but_not_change_its_words():
+    styled = '<svg x="1"><g style="fill: red"><text>weight</text><text>0.5</text></g></svg>'
+    assert same_output("a " + styled, "a " + styled.replace("<text>weight</text>", ""))
+    assert not same_output("a " + styled, "a " + styled.replace("0.5", "0.6"))
+    assert not same_output("a " + styled, "b " + styled)
+    assert not same_output(styled + styled, styled)
