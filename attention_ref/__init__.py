@@ -3,11 +3,14 @@
 Shape legend, used in every docstring and comment of this package:
 
 - ``B`` batch size
-- ``H`` number of heads
+- ``H`` number of (query) heads
+- ``Hkv`` number of key/value heads (grouped-query attention: ``H`` is a multiple of ``Hkv``)
 - ``L`` query (target) sequence length
 - ``S`` key/value (source) sequence length
-- ``E`` query/key size (per head in the functional core)
+- ``E`` query/key size (per head in the functional core), written ``d_k`` in formulas
 - ``Ev`` value size
+- ``D`` the head size when ``E == Ev``
+- ``d`` model width (embedding size); ``d = H * D`` in multi-head attention
 
 Mask convention: a boolean mask holds ``True`` where a query-key pair *takes part*
 in attention (the convention of ``torch.nn.functional.scaled_dot_product_attention``).

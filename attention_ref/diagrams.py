@@ -262,7 +262,7 @@ def sdpa_flow(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             arguments, batch dims that do not broadcast, or a mask whose last two
             dims do not broadcast to ``(L, S)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import diagrams
         >>> q, k, v = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 6)
@@ -360,7 +360,7 @@ def qkv_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             arguments, batch dims that do not broadcast, weights whose last two
             dims are not ``(L, S)`` or whose values are outside ``[0, 1]``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import diagrams
         >>> svg = diagrams.qkv_shapes(torch.randn(3, 4), torch.randn(5, 4), torch.randn(5, 2))
@@ -478,7 +478,7 @@ def multihead_flow(module: MultiHeadAttention, x: torch.Tensor) -> str:
         ValueError: ``x`` not 2 or 3 dims, its last dim not ``embed_dim``, or a
             module whose ``kdim``/``vdim`` differ from ``embed_dim`` (not self-attention).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import MultiHeadAttention, diagrams
         >>> svg = diagrams.multihead_flow(MultiHeadAttention(16, 4), torch.randn(2, 5, 16))
@@ -582,7 +582,7 @@ def self_vs_cross(query: int | torch.Tensor, key: int | torch.Tensor) -> str:
         TypeError: an argument that is neither an int nor a tensor or array.
         ValueError: a length below 1, or a tensor with fewer than 2 dims.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from attention_ref import diagrams
         >>> svg = diagrams.self_vs_cross(torch.randn(1, 4, 8), torch.randn(1, 6, 8))
@@ -638,7 +638,7 @@ def self_vs_cross(query: int | torch.Tensor, key: int | torch.Tensor) -> str:
 
 
 def path_length(n: int) -> str:
-    """How many sequential steps separate token 1 from token ``n``: a recurrent network vs attention.
+    """Steps from token 1 to the last token ``n`` (L = n tokens): a recurrent network vs attention.
 
     Top: a recurrent network passes information along a chain, so token 1
     reaches token ``n`` after ``n - 1`` sequential steps. Bottom: in
@@ -655,10 +655,10 @@ def path_length(n: int) -> str:
         TypeError: ``n`` not an int.
         ValueError: ``n`` outside ``[2, 12]``.
 
-    Example:
+    Examples:
         >>> from attention_ref import diagrams
         >>> svg = diagrams.path_length(6)
-        >>> "n − 1 = 5 sequential steps" in svg
+        >>> "L − 1 = 5 sequential steps" in svg
         True
     """
     n = _int("n", n, 2, 12)
@@ -677,7 +677,7 @@ def path_length(n: int) -> str:
         canvas.text(x, y1 + 5, str(i + 1))
         if i:
             canvas.arrow(xs[i - 1] + r, y1, x - r, y1, head=7)
-    canvas.text(_WIDTH / 2, y1 + 42, f"token 1 reaches token {n} only after n − 1 = {n - 1} sequential steps",
+    canvas.text(_WIDTH / 2, y1 + 42, f"token 1 reaches token {n} only after L − 1 = {n - 1} sequential steps",
                 muted=True)
 
     top = 170
@@ -698,7 +698,7 @@ def path_length(n: int) -> str:
         canvas.text(x, y2 + 5, str(i + 1))
     canvas.text(_WIDTH / 2, y2 + 42, f"token {n} attends to every token directly: 1 step, whatever the distance",
                 muted=True)
-    canvas.text(_WIDTH / 2, y2 + 64, f"every pair is one step apart: n × n = {n * n} scores in one layer",
+    canvas.text(_WIDTH / 2, y2 + 64, f"every pair is one step apart: L × L = {n * n} scores in one layer",
                 muted=True)
     return canvas.render(y2 + 80)
 
@@ -754,7 +754,7 @@ def flash_tiling(L: int, S: int, block_q: int, block_k: int, causal: bool = Fals
         TypeError: a size that is not an int, or ``causal`` not a bool.
         ValueError: a size below 1, or more than 24 blocks along an axis.
 
-    Example:
+    Examples:
         >>> from attention_ref import diagrams
         >>> svg = diagrams.flash_tiling(8, 8, 4, 2, causal=True)
         >>> "computed 6" in svg and "skipped 2" in svg

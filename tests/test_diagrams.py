@@ -315,7 +315,7 @@ def test_self_vs_cross_errors():
 def test_path_length_counts():
     svg = diagrams.path_length(7)
     text = text_of(svg)
-    assert "n − 1 = 6 sequential steps" in text and "n × n = 49 scores" in text
+    assert "L − 1 = 6 sequential steps" in text and "L × L = 49 scores" in text
     root = parse(svg)
     arcs = [p for p in root.iter(f"{SVG}path") if p.get("class") == "ar-edge ar-w"]
     arrows = [p for p in root.iter(f"{SVG}line") if p.get("class") == "ar-arrow"]

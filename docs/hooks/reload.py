@@ -18,7 +18,10 @@ again: editing `viz.heatmap` re-runs the blocks that drew a heatmap, editing the
 re-runs everything. A rebuild after editing one page executes only that page's changed blocks
 (replaying the earlier blocks of their session first, silently, so the namespace is right).
 Sessions that read source text themselves (`inspect`, `__doc__`, `help(`) are keyed by the
-package's text instead. `mkdocs build` (CI, the tests, publishing) never uses the cache.
+package's text instead. Before each build, the sessions with a stale block are sent to a
+worker process (serve_workers.py), which runs them while this process renders the pages; a
+block then takes its output from the worker's run (or runs here, if the worker could not run
+it). `mkdocs build` (CI, the tests, publishing) never uses the cache or the workers.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ from __future__ import annotations
 import ast
 import builtins
 import hashlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import logging
+import multiprocessing
 import os
 import sys
+from concurrent.futures import Future, ProcessPoolExecutor
 import time
 from typing import NamedTuple
 from pathlib import Path
@@ -39,6 +42,19 @@ from pathlib import Path
 PACKAGE = "attention_ref"
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
 log = logging.getLogger(f"mkdocs.hooks.{__name__}")
+
+# The helpers shared with the worker processes live in serve_workers.py, imported by name: the
+# workers are spawned with this sys.path and import it the same way (see _run_ahead).
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.append(str(Path(__file__).parent))
+import serve_workers  # noqa: E402
+
+#: Worker processes that run stale sessions ahead of the build, while the server renders the
+#: pages (0: run every block in the server process). One by default, with torch's default
+#: threads, so the served pages equal `mkdocs build`'s to the last digit. With more, each gets
+#: an equal share of the cores: faster, but a multi-threaded sum may then add in another
+#: order, and a printed digit differ from the build's.
+WORKERS = int(os.environ.get("ATTENTION_REF_SERVE_WORKERS", "1"))
 
 
 def _clear_markdown_exec_sessions() -> int:
@@ -63,6 +79,7 @@ def on_startup(command, **kwargs) -> None:
         # before triton is first imported (a later page may import it before the kernel page).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if command == "serve":
+        _SERVING["on"] = True
         _install_block_cache()
         # re-importing an edited module would write its .pyc into attention_ref/__pycache__,
         # which `watch:` sees as another change: one edit would trigger two rebuilds
@@ -75,7 +92,9 @@ def on_pre_build(config, **kwargs) -> None:
         del sys.modules[name]
     sessions = _clear_markdown_exec_sessions()
     _CACHE_STATE.update(text=_package_text(), chains={}, chain_deps={}, pending={}, reads_source=set(),
-                        modules={}, digests={})
+                        modules={}, digests={}, ahead={}, generation=_CACHE_STATE["generation"] + 1)
+    if _SERVING["on"]:
+        _run_ahead(config)
     if dropped or sessions:
         log.info("reload hook: dropped %d %s modules, cleared %d markdown-exec sessions",
                  len(dropped), PACKAGE, sessions)
@@ -98,8 +117,10 @@ class _Entry(NamedTuple):
 _CACHE: dict[str, list[_Entry]] = {}
 _RUNS_KEPT = 3
 _CACHE_STATE: dict = {"text": "", "chains": {}, "chain_deps": {}, "pending": {}, "reads_source": set(),
-                      "modules": {}, "digests": {}, "hits": 0, "runs": 0, "seconds": 0.0,
-                      "slowest": []}
+                      "modules": {}, "digests": {}, "ahead": {}, "generation": 0, "hits": 0, "runs": 0,
+                      "seconds": 0.0, "worker_runs": 0, "worker_seconds": 0.0, "slowest": []}
+_POOL: dict = {"executor": None, "broken": False}
+_SERVING = {"on": False}
 
 
 def _digest(*parts: str) -> str:
@@ -155,7 +176,7 @@ def _module_index(source: str) -> tuple[str, dict[str, str]]:
 
     visit(tree.body, "")
     for node in ast.walk(tree):  # the top-level code keeps signatures and decorators only
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_jit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not serve_workers.is_jit(node):
             node.body = [ast.Pass()]  # (Triton kernels record no calls: they stay whole)
     return ast.dump(tree), functions
 
@@ -181,85 +202,120 @@ def _deps_digest(deps: frozenset[tuple[str, str]]) -> str:
     return _digest(*(f"{path}:{name}:{_dep_digest(path, name)}" for path, name in sorted(deps)))
 
 
-#: The name the instrumented package code records its calls into (found through builtins).
-_RECORD = "__attention_ref_calls__"
+def _next_key(state: dict, session: str | None, code: str) -> str:
+    """The cache key of the next block of ``session`` (or of a block without one): its code and
+    the code of the session's earlier blocks, and the package's text from the first block that
+    may print source on."""
+    if session is None:
+        reads_source = any(token in code for token in _READS_SOURCE)
+        return _digest(state["text"] if reads_source else "", "", code)
+    if any(token in code for token in _READS_SOURCE):  # the namespace may hold source text now
+        state["reads_source"].add(session)
+    chain = _digest(state["chains"].get(session, ""), code)
+    state["chains"][session] = chain
+    return _digest(state["text"] if session in state["reads_source"] else "", session, chain)
 
 
-def _is_jit(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    """A Triton kernel (``@triton.jit``): Triton reads its source, so it is left as written."""
-    return any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
+def _valid_entry(key: str) -> _Entry | None:
+    """The newest cached run of ``key`` whose recorded package functions are unchanged."""
+    return next((e for e in reversed(_CACHE.get(key, [])) if _deps_digest(e.deps) == e.digest), None)
 
 
-def _instrument(tree: ast.Module, path: str) -> ast.Module:
-    """Make every function and method of a module add ``(path, qualified name)`` to the set in
-    ``builtins.__attention_ref_calls__`` when it is called (one statement after the docstring,
-    on the line of the body's first statement, so tracebacks and line numbers are unchanged)."""
+# ---- stale sessions run ahead, in worker processes -------------------------------------------
 
-    def visit(body: list[ast.stmt], prefix: str) -> None:
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_jit(node):
-                record = ast.parse(f"{_RECORD}.add(({path!r}, {prefix + node.name!r}))").body[0]
-                first = node.body[0]
-                docstring = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                             and isinstance(first.value.value, str))
-                at = 1 if docstring else 0  # after the docstring, which must stay first
-                for child in ast.walk(record):
-                    ast.copy_location(child, node.body[min(at, len(node.body) - 1)])
-                node.body.insert(at, record)
-            elif isinstance(node, ast.ClassDef):
-                visit(node.body, f"{prefix}{node.name}.")
-
-    visit(tree.body, "")
-    return tree
+def _pool() -> ProcessPoolExecutor | None:
+    if WORKERS < 1 or _POOL["broken"]:
+        return None
+    if _POOL["executor"] is None:
+        _POOL["executor"] = ProcessPoolExecutor(
+            WORKERS, mp_context=multiprocessing.get_context("spawn"),
+            initializer=serve_workers.init_worker,
+            initargs=(None if WORKERS == 1 else max(1, (os.cpu_count() or 1) // WORKERS),))
+    return _POOL["executor"]
 
 
-class _RecordingLoader(importlib.machinery.SourceFileLoader):
-    """Loads a module of the package from its source, instrumented by `_instrument`, never from
-    a cached .pyc (which would be the uninstrumented code)."""
+def _sessions(docs_dir: Path) -> list[tuple[str | None, list[str]]]:
+    """Every session of the site with the code of its blocks, as markdown-exec receives it (a
+    block without a session is a session of its own). Sessions that span pages, or run in
+    another directory, are left to the server process."""
+    fences = serve_workers.fences()
+    groups: dict[object, tuple[str | None, list[str]]] = {}
+    pages: dict[str, set[Path]] = {}
+    unsafe: set[str] = set()
+    for page in sorted(docs_dir.rglob("*.md")):
+        if "hooks" in page.relative_to(docs_dir).parts:
+            continue
+        for index, block in enumerate(fences.find_blocks(page)):
+            code = block.code.removesuffix("\n")  # markdown-exec gets the fence without it
+            if block.session is None:
+                groups[page, index] = (None, [code])
+                continue
+            pages.setdefault(block.session, set()).add(page)
+            if block.workdir:
+                unsafe.add(block.session)
+            groups.setdefault(block.session, (block.session, []))[1].append(code)
+    unsafe |= {session for session, where in pages.items() if len(where) > 1}
+    return [group for group in groups.values() if group[0] not in unsafe]
 
-    def get_code(self, fullname: str):
-        path = self.get_filename(fullname)
-        return self.source_to_code(self.get_data(path), path)
 
-    def source_to_code(self, data, path, *, _optimize=-1):
+def _run_ahead(config) -> None:
+    """Send every session with a stale block to the workers, in page order."""
+    pool = _pool()
+    if pool is None:
+        return
+    # spawned workers get this process's sys.path, then unpickle serve_workers.* by name; MkDocs
+    # takes docs/hooks off sys.path again after loading the hooks, so it is put back here
+    hooks = str(Path(__file__).parent)
+    if hooks not in sys.path:
+        sys.path.append(hooks)
+    state = _CACHE_STATE
+    submitted = 0
+    for session, codes in _sessions(Path(config["docs_dir"])):
+        probe = {"text": state["text"], "chains": {}, "reads_source": set()}
+        keys = [_next_key(probe, session, code) for code in codes]
+        stale = next((i for i, key in enumerate(keys) if _valid_entry(key) is None), None)
+        if stale is None:
+            continue
         try:
-            tree = ast.parse(data, filename=path)
-        except SyntaxError:  # compile it as it is, so the import raises the real error
-            return super().source_to_code(data, path)
-        return compile(_instrument(tree, str(path)), path, "exec", dont_inherit=True)
+            future = pool.submit(serve_workers.run_session, state["generation"], session, codes,
+                                 os.getcwd())
+        except RuntimeError as error:  # a broken pool: run everything here from now on
+            _POOL["broken"] = True
+            log.info("reload hook: worker processes unavailable (%s); blocks run in the server", error)
+            return
+        submitted += 1
+        for index in range(stale, len(keys)):
+            state["ahead"][keys[index]] = (future, index)
+    if submitted:
+        log.info("reload hook: %d sessions sent to %d worker processes", submitted, WORKERS)
 
 
-class _RecordingFinder(importlib.abc.MetaPathFinder):
-    """Finds the package's modules in PACKAGE_DIR and loads them with `_RecordingLoader`."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != PACKAGE and not fullname.startswith(PACKAGE + "."):
-            return None
-        parts = fullname.split(".")[1:]
-        folder = PACKAGE_DIR.joinpath(*parts)
-        if (folder / "__init__.py").is_file():
-            file, locations = folder / "__init__.py", [str(folder)]
-        elif folder.with_suffix(".py").is_file():
-            file, locations = folder.with_suffix(".py"), None
-        else:
-            return None
-        return importlib.util.spec_from_file_location(
-            fullname, file, loader=_RecordingLoader(fullname, str(file)),
-            submodule_search_locations=locations)
-
-
-def _recording(run, calls: set[tuple[str, str]]):
-    """``run`` wrapped so that the package functions it calls are added to ``calls``."""
-
-    def recording_run(*args, **kwargs):
-        previous = getattr(builtins, _RECORD)
-        setattr(builtins, _RECORD, calls)
-        try:
-            return run(*args, **kwargs)
-        finally:
-            setattr(builtins, _RECORD, previous)
-
-    return recording_run
+def _from_worker(state: dict, key: str, session: str | None, code: str) -> _Entry | None:
+    """The output of ``key`` from a worker, waiting for it; None if no worker ran it or it failed
+    there (the server then runs it itself, and reports a failure the usual way)."""
+    ahead = state["ahead"].pop(key, None)
+    if ahead is None:
+        return None
+    future, index = ahead
+    try:
+        results = future.result()
+    except Exception as error:  # noqa: BLE001 - a crashed worker: fall back to the server
+        if not _POOL["broken"]:
+            # info, not a warning: strict mode would stop the server, and nothing is lost
+            log.info("reload hook: a worker process failed (%s); blocks run in the server", error)
+        _POOL["broken"] = True
+        return None
+    if index >= len(results) or results[index][1] is not None:
+        return None
+    output, _, calls, seconds = results[index]
+    state["worker_runs"] += 1
+    state["worker_seconds"] += seconds
+    state["slowest"].append((seconds, session or "(no session)", code.strip().splitlines()[0][:60]))
+    entry = _Entry(output, calls, _deps_digest(calls))
+    runs = _CACHE.setdefault(key, [])
+    runs.append(entry)
+    del runs[:-_RUNS_KEPT]
+    return entry
 
 
 def _install_block_cache() -> None:
@@ -268,25 +324,19 @@ def _install_block_cache() -> None:
     run = formatter._run_python
     if getattr(run, "_attention_ref_cached", False):
         return
-    setattr(builtins, _RECORD, set())  # calls outside any block land here, unused
-    sys.meta_path.insert(0, _RecordingFinder())
+    setattr(builtins, serve_workers.RECORD, set())  # calls outside any block land here, unused
+    sys.meta_path.insert(0, serve_workers.RecordingFinder(PACKAGE_DIR))
 
     def cached_run(code, returncode=None, session=None, id=None, **extra):  # noqa: A002
         state = _CACHE_STATE
-        reads_source = any(token in code for token in _READS_SOURCE)
-        if session is None:
-            key = _digest(state["text"] if reads_source else "", "", code)
-            chain_deps: frozenset = frozenset()
-        else:
-            if reads_source:  # from here on the session's namespace may hold source text
-                state["reads_source"].add(session)
-            chain = _digest(state["chains"].get(session, ""), code)
-            state["chains"][session] = chain
-            key = _digest(state["text"] if session in state["reads_source"] else "", session, chain)
-            chain_deps = state["chain_deps"].get(session, frozenset())
-        entry = next((e for e in reversed(_CACHE.get(key, [])) if _deps_digest(e.deps) == e.digest), None)
+        key = _next_key(state, session, code)
+        chain_deps = state["chain_deps"].get(session, frozenset()) if session else frozenset()
+        entry = _valid_entry(key)
         if entry is not None:
             state["hits"] += 1
+        else:
+            entry = _from_worker(state, key, session, code)
+        if entry is not None:
             if session is not None:  # not executed: remember it in case a later block misses
                 state["pending"].setdefault(session, []).append((code, extra))
                 state["chain_deps"][session] = entry.deps
@@ -296,7 +346,7 @@ def _install_block_cache() -> None:
                 run(earlier_code, session=session, **earlier_extra)
         deps: set[tuple[str, str]] = set(chain_deps)
         start = time.perf_counter()
-        output = _recording(run, deps)(code, returncode, session, id, **extra)
+        output = serve_workers.recording(run, deps)(code, returncode, session, id, **extra)
         state["runs"] += 1
         seconds = time.perf_counter() - start
         state["seconds"] += seconds
@@ -314,10 +364,21 @@ def _install_block_cache() -> None:
 
 
 def on_post_build(config, **kwargs) -> None:
-    if _CACHE_STATE["hits"] or _CACHE_STATE["runs"]:
-        log.info("reload hook: %d blocks executed (%.1f s), %d served from the serve cache",
-                 _CACHE_STATE["runs"], _CACHE_STATE["seconds"], _CACHE_STATE["hits"])
+    state = _CACHE_STATE
+    for future, _ in state["ahead"].values():  # predicted but never asked for
+        future.cancel()
+    if state["hits"] or state["runs"] or state["worker_runs"]:
+        log.info("reload hook: %d blocks executed in worker processes (%.1f s of work), %d in the "
+                 "server (%.1f s), %d served from the serve cache", state["worker_runs"],
+                 state["worker_seconds"], state["runs"], state["seconds"], state["hits"])
         for seconds, session, first_line in sorted(_CACHE_STATE["slowest"], reverse=True)[:5]:
             if seconds >= 0.25:
                 log.info("reload hook:   %.2f s  session %s: %s", seconds, session, first_line)
-    _CACHE_STATE.update(hits=0, runs=0, seconds=0.0, slowest=[])
+    _CACHE_STATE.update(hits=0, runs=0, seconds=0.0, worker_runs=0, worker_seconds=0.0, slowest=[],
+                        ahead={})
+
+
+def on_shutdown(**kwargs) -> None:
+    if _POOL["executor"] is not None:
+        _POOL["executor"].shutdown(wait=False, cancel_futures=True)
+        _POOL["executor"] = None

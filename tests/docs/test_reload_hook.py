@@ -82,7 +82,7 @@ def test_blocks_rerun_when_the_package_code_they_ran_changes(hook, monkeypatch, 
         executed.append(code)
         if code.startswith("use "):  # a block that calls a function of the package
             spec = importlib.util.spec_from_file_location(  # as the hook's finder loads it
-                "pkg_mod", module_file, loader=hook._RecordingLoader("pkg_mod", str(module_file)))
+                "pkg_mod", module_file, loader=hook.serve_workers.RecordingLoader("pkg_mod", str(module_file)))
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return f"{code} -> {getattr(module, code[4:])(1)}"
@@ -90,7 +90,7 @@ def test_blocks_rerun_when_the_package_code_they_ran_changes(hook, monkeypatch, 
 
     monkeypatch.setattr(formatter, "_run_python", recorder)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # undo the hook's finder after
-    monkeypatch.setattr(builtins, hook._RECORD, set(), raising=False)
+    monkeypatch.setattr(builtins, hook.serve_workers.RECORD, set(), raising=False)
     hook._install_block_cache()
     blocks = [("use f", "s1"), ("print(1)", "s1"), ("use g", "s2"),
               ("import inspect", "src"), ("print(2)", "src")]
@@ -98,7 +98,7 @@ def test_blocks_rerun_when_the_package_code_they_ran_changes(hook, monkeypatch, 
     def build(source: str) -> list[str]:
         module_file.write_text(source)
         hook._CACHE_STATE.update(text=hook._package_text(), chains={}, chain_deps={}, pending={},
-                                 reads_source=set(), modules={}, digests={})
+                                 reads_source=set(), modules={}, digests={}, ahead={})
         executed.clear()
         outputs = [formatter._run_python(code, session=session) for code, session in blocks]
         assert outputs[0] == f"use f -> {1 + int(source.split('LIMIT = ')[1].split()[0])}"
@@ -128,11 +128,11 @@ def test_instrumented_code_keeps_docstrings_and_line_numbers(hook, tmp_path):
     source = 'def f(x):\n    """Doc."""\n    y = x + 1\n    raise ValueError(y)\n\n\ndef g():\n    return 1\n'
     path = tmp_path / "m.py"
     path.write_text(source)
-    loader = hook._RecordingLoader("m_under_test", str(path))
+    loader = hook.serve_workers.RecordingLoader("m_under_test", str(path))
     namespace: dict = {}
     calls: set = set()
-    builtins_before = getattr(builtins, hook._RECORD, None)
-    setattr(builtins, hook._RECORD, calls)
+    builtins_before = getattr(builtins, hook.serve_workers.RECORD, None)
+    setattr(builtins, hook.serve_workers.RECORD, calls)
     try:
         exec(loader.get_code("m_under_test"), namespace)
         assert namespace["f"].__doc__ == "Doc."
@@ -141,5 +141,32 @@ def test_instrumented_code_keeps_docstrings_and_line_numbers(hook, tmp_path):
             namespace["f"](1)
         assert error.traceback[-1].lineno + 1 == 4  # the raise is still on line 4
     finally:
-        setattr(builtins, hook._RECORD, builtins_before)
+        setattr(builtins, hook.serve_workers.RECORD, builtins_before)
     assert calls == {(str(path), "f"), (str(path), "g")}
+
+
+def test_a_worker_process_runs_a_session_and_records_the_package_calls(hook):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    codes = ["import attention_ref\nx = 2", "print(x * int(attention_ref.causal_mask(2).sum()))"]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=hook.serve_workers.init_worker) as pool:
+        results = pool.submit(hook.serve_workers.run_session, 1, "s", codes, str(ROOT)).result()
+        failing = pool.submit(hook.serve_workers.run_session, 1, "t", ["1 / 0", "print(1)"],
+                              str(ROOT)).result()
+    (first, error1, calls1, _), (second, error2, calls2, _) = results
+    assert (first, second, error1, error2) == ("", "6\n", None, None)
+    masks = str(hook.PACKAGE_DIR / "masks.py")
+    assert (masks, "causal_mask") in calls2 and (masks, "causal_mask") not in calls1
+    assert len(failing) == 1 and failing[0][0] is None and "ZeroDivisionError" in failing[0][1]
+
+
+def test_the_sessions_sent_to_workers_are_the_pages_blocks_as_markdown_exec_gets_them(hook, tmp_path):
+    (tmp_path / "a.md").write_text('```python exec="on" session="s"\nx = 1\n```\n\n'
+                                   '```python exec="on"\nprint(2)\n```\n\n'
+                                   '```python exec="on" session="s"\nprint(x)\n```\n')
+    (tmp_path / "b.md").write_text('```python exec="on" session="shared"\ny = 1\n```\n')
+    (tmp_path / "c.md").write_text('```python exec="on" session="shared"\nprint(y)\n```\n')
+    assert sorted(hook._sessions(tmp_path), key=str) == sorted(
+        [("s", ["x = 1", "print(x)"]), (None, ["print(2)"])], key=str)  # a session over two pages: not sent
