@@ -235,6 +235,20 @@ def _dims(*sizes: int) -> str:
 # --- 1. the data flow of scaled dot-product attention ----------------------------------------
 
 
+def _qkv_shapes(query: object, key: object, value: object) -> dict[str, tuple[int, ...]]:
+    """The shapes of query ``(..., L, E)``, key ``(..., S, E)`` and value ``(..., S, Ev)``,
+    checked to chain (the sizes E and S agree)."""
+    q = _shape("query", query, 2, "(..., L, E)")
+    k = _shape("key", key, 2, "(..., S, E)")
+    v = _shape("value", value, 2, "(..., S, Ev)")
+    E, (S, Ek), Sv = q[-1], k[-2:], v[-2]
+    if Ek != E:
+        raise ValueError(f"key must have size E={E} in its last dim (that of query), got shape {fmt_shape(k)}")
+    if Sv != S:
+        raise ValueError(f"value must have S={S} rows in dim -2 (those of key), got shape {fmt_shape(v)}")
+    return {"query": q, "key": k, "value": v}
+
+
 def sdpa_flow(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               mask: torch.Tensor | None = None) -> str:
     r"""The data flow of scaled dot-product attention, with the shapes of the tensors given.
@@ -270,15 +284,8 @@ def sdpa_flow(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         >>> svg.startswith("<svg") and "L × S = 3 × 5" in svg and "B=2" in svg
         True
     """
-    q = _shape("query", query, 2, "(..., L, E)")
-    k = _shape("key", key, 2, "(..., S, E)")
-    v = _shape("value", value, 2, "(..., S, Ev)")
-    (L, E), (S, Ek), (Sv, Ev) = q[-2:], k[-2:], v[-2:]
-    if Ek != E:
-        raise ValueError(f"key must have size E={E} in its last dim (that of query), got shape {fmt_shape(k)}")
-    if Sv != S:
-        raise ValueError(f"value must have S={S} rows in dim -2 (those of key), got shape {fmt_shape(v)}")
-    shapes = {"query": q, "key": k, "value": v}
+    shapes = _qkv_shapes(query, key, value)
+    (L, E), (S, Ev) = shapes["query"][-2:], shapes["value"][-2:]
     mask_line = None
     if mask is not None:
         m = _shape("mask", mask, 1, "(..., L, S)")
@@ -367,15 +374,8 @@ def qkv_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         >>> "L × E = 3 × 4" in svg and "S × Ev = 5 × 2" in svg
         True
     """
-    q = _shape("query", query, 2, "(..., L, E)")
-    k = _shape("key", key, 2, "(..., S, E)")
-    v = _shape("value", value, 2, "(..., S, Ev)")
-    (L, E), (S, Ek), (Sv, Ev) = q[-2:], k[-2:], v[-2:]
-    if Ek != E:
-        raise ValueError(f"key must have size E={E} in its last dim (that of query), got shape {fmt_shape(k)}")
-    if Sv != S:
-        raise ValueError(f"value must have S={S} rows in dim -2 (those of key), got shape {fmt_shape(v)}")
-    shapes = {"query": q, "key": k, "value": v}
+    shapes = _qkv_shapes(query, key, value)
+    (L, E), (S, Ev) = shapes["query"][-2:], shapes["value"][-2:]
     cells = None
     if weights is not None:
         w = _shape("weights", weights, 2, "(..., L, S)")

@@ -29,15 +29,14 @@ from __future__ import annotations
 import ast
 import builtins
 import hashlib
-import importlib.util
 import logging
 import multiprocessing
 import os
 import sys
-from concurrent.futures import Future, ProcessPoolExecutor
 import time
-from typing import NamedTuple
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 PACKAGE = "attention_ref"
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
