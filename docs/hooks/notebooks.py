@@ -15,6 +15,7 @@ tests/site/test_notebooks.py runs every notebook's code cells.
 from __future__ import annotations
 
 import importlib.util
+import posixpath
 import re
 import sys
 from pathlib import Path, PurePosixPath
@@ -61,10 +62,16 @@ def notebook_name(src_uri: str) -> str:
     return PurePosixPath(src_uri).stem + ".ipynb"
 
 
-def prose_to_notebook_markdown(text: str) -> str:
-    """Material-only Markdown made plain: admonitions become a bold title and a dedented body."""
+def prose_to_notebook_markdown(text: str, stack: list[int] | None = None, link=None) -> str:
+    """Material-only Markdown made plain: admonitions become a bold title and a dedented body.
+
+    ``stack`` holds the body indentation of the admonitions still open; pass the same list for
+    every prose chunk of a page, so that text after a code block inside an admonition (a
+    solution's last sentence) is dedented too. ``link`` maps a relative link target (a page's
+    ``.md`` path) to the address it should have in the notebook.
+    """
     out: list[str] = []
-    stack: list[int] = []  # indentation of the open admonitions' bodies
+    stack = [] if stack is None else stack
     for line in text.splitlines():
         indent = len(line) - len(line.lstrip(" "))
         if line.strip():
@@ -78,10 +85,28 @@ def prose_to_notebook_markdown(text: str) -> str:
             stack.append(len(match["indent"]) + 4)
             continue
         out.append(line[shift:] if line[:shift].strip() == "" else line.lstrip())
-    return _ATTR_LIST.sub("", "\n".join(out)).strip()
+    plain = _ATTR_LIST.sub("", "\n".join(out)).strip()
+    if link is not None:
+        plain = _MD_LINK.sub(lambda m: f"]({link(m['target'])}{m['anchor'] or ''})", plain)
+    return plain
 
 
-def page_notebook(markdown: str, *, title: str, url: str):
+_MD_LINK = re.compile(r"\]\((?P<target>(?![a-z]+:)[^)#\s]+\.md)(?P<anchor>#[^)\s]*)?\)")
+
+
+def _site_link(site_url: str, src_uri: str):
+    """A function from a relative ``.md`` link of page ``src_uri`` to the page's address."""
+
+    def link(target: str) -> str:
+        path = posixpath.normpath(posixpath.join(posixpath.dirname(src_uri), target))
+        stem = path.removesuffix(".md")
+        url = "" if stem == "index" else (stem.removesuffix("/index") if stem.endswith("/index") else stem) + "/"
+        return site_url.rstrip("/") + "/" + url
+
+    return link
+
+
+def page_notebook(markdown: str, *, title: str, url: str, src_uri: str = "", site_url: str = ""):
     """The notebook (an nbformat v4 node) of one page's Markdown source."""
     import nbformat
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
@@ -96,9 +121,11 @@ def page_notebook(markdown: str, *, title: str, url: str):
             "they are hidden) run here too."),
         new_code_cell(SETUP_CELL.rstrip()),
     ]
+    stack: list[int] = []  # admonitions open across the page's prose and code
+    link = _site_link(site_url, src_uri) if site_url else None
     for part in fences.split_page(markdown):
         if isinstance(part, str):
-            text = prose_to_notebook_markdown(part)
+            text = prose_to_notebook_markdown(part, stack, link)
             heading = re.match(r"^# [^\n]*\n*", text)  # the page title is the first cell's
             if heading and len(cells) == 2:
                 text = text[heading.end():]
@@ -124,8 +151,9 @@ def on_page_markdown(markdown: str, page, config, files, **kwargs) -> str:
     name = notebook_name(page.file.src_uri)
     dest = PurePosixPath(page.file.dest_uri).parent / name
     title = page.title or PurePosixPath(page.file.src_uri).stem
-    _pending[str(dest)] = page_notebook(markdown, title=str(title),
-                                        url=(config.get("site_url") or "") + page.url)
+    site_url = config.get("site_url") or ""
+    _pending[str(dest)] = page_notebook(markdown, title=str(title), url=site_url + page.url,
+                                        src_uri=page.file.src_uri, site_url=site_url)
     link = (f'<p class="ar-notebook"><a href="{name}" download>Download this page as a '
             f"Jupyter notebook</a> ({name}): its code, checks included, to run yourself.</p>")
     lines = markdown.splitlines()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import re
 from pathlib import Path
 
 import nbformat
@@ -49,6 +50,8 @@ def test_notebook_holds_the_pages_code(built_site: Path, source: str):
     assert code[0] == notebook_hook_setup(), "the first code cell is the Jupyter set-up"
     markdown = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
     assert "???" not in markdown, "Material admonition syntax left in the notebook's Markdown"
+    relative = re.findall(r"\]\((?![a-z]+:)[^)]*\.md[)#]", markdown)
+    assert not relative, f"{source}: links to the site's .md files, broken in a notebook: {relative}"
 
 
 def notebook_hook_setup() -> str:
@@ -82,6 +85,17 @@ def test_admonitions_become_plain_markdown():
     plain = notebooks_hook.prose_to_notebook_markdown(text)
     assert plain.splitlines() == ["Intro.", "", "**Exercise 1: shapes**", "What is the shape?", "",
                                   "**Solution**", "It is (2, 3).", "", "After."]
+
+
+def test_text_after_a_code_block_inside_a_solution_is_dedented_and_links_point_to_the_site():
+    page = ('# T\n\nSee [page 4](04-shapes.md#top).\n\n??? question "Exercise 1: x"\n    Do it.\n\n'
+            '    ??? success "Solution"\n        ```python exec="on" session="s"\n        print(1)\n'
+            '        ```\n        It prints 1.\n\nAfter.\n')
+    notebook = notebooks_hook.page_notebook(page, title="T", url="u", src_uri="tutorial/t.md",
+                                            site_url="https://example.org/site/")
+    markdown = [c.source for c in notebook.cells if c.cell_type == "markdown"]
+    assert "See [page 4](https://example.org/site/tutorial/04-shapes/#top)." in markdown[1]
+    assert markdown[-1] == "It prints 1.\n\nAfter."  # not an indented (code) block
 
 
 def test_a_failing_cell_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
