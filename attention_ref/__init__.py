@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from attention_ref import complexity, diagrams, masks
+from attention_ref import complexity, diagrams, masks, positional
 from attention_ref.functional import attention_weights, scaled_dot_product_attention
 from attention_ref.masks import (
     causal_mask,
@@ -48,8 +48,10 @@ __all__ = [
     "diagrams",
     "from_key_padding_mask",
     "masks",
+    "mods",
     "padding_mask",
     "padding_mask_from_tokens",
+    "positional",
     "scaled_dot_product_attention",
     "to_additive",
     "viz",

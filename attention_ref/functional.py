@@ -12,6 +12,23 @@ $$
 where ``m`` is 0 for pairs that take part and ``-inf`` for masked pairs (or the
 values of a float mask). Shapes use the package legend: ``B`` batch, ``H`` heads,
 ``L`` query length, ``S`` key length, ``E`` query/key size, ``Ev`` value size.
+
+The order of the steps, for every argument that takes part (the same in
+`attention_weights` and `scaled_dot_product_attention`):
+
+1. ``scores = scale * query @ key^T``, in at least float32;
+2. ``score_mod(scores, b, h, q_idx, kv_idx)`` replaces them (FlexAttention's
+   signature, see `attention_ref.mods`);
+3. a float ``attn_mask`` is added;
+4. every boolean condition masks: a bool ``attn_mask``, ``is_causal`` and
+   ``mask_mod(b, h, q_idx, kv_idx)``; a pair takes part only when all of them
+   keep it (``True`` = takes part) and its score becomes ``-inf`` otherwise;
+5. softmax over the keys; a query row with no key left gives weights 0 and
+   output 0, with finite gradients.
+
+For the mods the scores' leading dims ``(..., H)`` are read as batch and heads:
+``h`` indexes the last leading dim, ``b`` the others flattened (0 when there
+are none), as `attention_ref.mods.index_grids` builds them.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_ref import backends as _backends
+from attention_ref import mods as _mods
 from attention_ref._validation import (
     check_probability,
     check_scale,
@@ -147,19 +165,30 @@ def _masked_scores(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
+    score_mod: _mods.ScoreMod | None = None,
+    mask_mod: _mods.MaskMod | None = None,
 ) -> torch.Tensor:
-    """Scaled scores with the masks applied, in the compute dtype: ``(..., L, S)``."""
+    """Scaled scores with the mods and masks applied, in the compute dtype: ``(..., L, S)``.
+
+    The steps in the order of the module docstring: scale, ``score_mod``, float
+    mask added, boolean conditions (``attn_mask``, ``is_causal``, ``mask_mod``).
+    """
     compute = _compute_dtype(query.dtype)
     # (..., L, E) @ (..., E, S) -> (..., L, S), in at least float32 so large scores cannot overflow.
     scores = torch.matmul(query.to(compute), key.to(compute).transpose(-2, -1)) * scale
     L, S = scores.shape[-2], scores.shape[-1]
+    if score_mod is not None:
+        scores = _mods.apply_score_mod(score_mod, scores)  # (..., L, S) -> (..., L, S)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        scores = scores + attn_mask.to(compute)  # a float mask is added to the scores
     allowed = causal_mask(L, S, device=scores.device) if is_causal else None  # (L, S)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         allowed = attn_mask if allowed is None else allowed & attn_mask  # broadcasts to (..., L, S)
+    if mask_mod is not None:
+        keep = _mods.apply_mask_mod(mask_mod, scores.shape[:-2], L, S, scores.device)  # broadcasts to (..., L, S)
+        allowed = keep if allowed is None else allowed & keep
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        scores = scores + attn_mask.to(compute)  # a float mask is added to the scores
     return scores
 
 
@@ -179,6 +208,15 @@ def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
     exp = torch.exp(scores - row_max)  # (..., L, S), every entry in [0, 1]
     denom = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
     return exp / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _check_mods(score_mod: object, mask_mod: object) -> bool:
+    """Check that the mods are None or callables of FlexAttention's signatures; return whether any is given."""
+    if score_mod is not None:
+        _mods.check_mod("score_mod", score_mod, "score")
+    if mask_mod is not None:
+        _mods.check_mod("mask_mod", mask_mod, "mask")
+    return score_mod is not None or mask_mod is not None
 
 
 def _prepare(
@@ -208,8 +246,13 @@ def attention_weights(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    score_mod: _mods.ScoreMod | None = None,
+    mask_mod: _mods.MaskMod | None = None,
 ) -> torch.Tensor:
     r"""Attention weights ``softmax(scale * query @ key^T + mask)``.
+
+    With mods, the steps run in the order of `attention_ref.functional`'s
+    module docstring: scale, ``score_mod``, float mask, boolean conditions, softmax.
 
     Args:
         query: ``(..., L, E)``.
@@ -223,6 +266,10 @@ def attention_weights(
         scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
         enable_gqa: grouped-query attention: ``key`` has ``(..., Hkv, S, E)`` with
             ``H`` (query heads) a multiple of ``Hkv``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
+            the scaled scores (FlexAttention's signature; `attention_ref.mods`).
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = the pair
+            takes part; combined (AND) with ``attn_mask`` and ``is_causal``.
 
     Returns:
         ``(..., L, S)`` weights in ``query``'s dtype, computed in at least float32.
@@ -231,7 +278,10 @@ def attention_weights(
     Raises:
         ValueError: shapes that do not fit, a non-positive or non-finite scale,
             tensors on different devices.
-        TypeError: non-float inputs, inputs of different dtypes, an integer mask.
+        TypeError: non-float inputs, inputs of different dtypes, an integer mask;
+            a mod of the wrong number of arguments, a ``mask_mod`` returning a
+            non-bool tensor or a ``score_mod`` returning a bool one (a mod
+            returning a wrongly shaped tensor is a ``ValueError``).
 
     Examples:
         >>> import torch
@@ -241,10 +291,11 @@ def attention_weights(
         >>> torch.allclose(w, torch.tensor([[1.0, torch.e]]) / (1 + torch.e))
         True
     """
+    _check_mods(score_mod, mask_mod)
     query, key, _, mask, resolved = _prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key = _expand_kv_heads(query, key, "key")
-    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved))
+    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod))
     return weights.to(query.dtype)
 
 
@@ -260,6 +311,8 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     return_weights: bool = False,
     backend: str = "math",
+    score_mod: _mods.ScoreMod | None = None,
+    mask_mod: _mods.MaskMod | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Scaled dot-product attention, equal to ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -292,6 +345,13 @@ def scaled_dot_product_attention(
             `attention_ref.backends.select_backend`). Every backend equals
             ``"math"`` within floating-point tolerance; an argument a backend
             cannot honour raises instead of falling back.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
+            the scaled scores before any mask (FlexAttention's signature; see
+            `attention_ref.mods` and the order in `attention_ref.functional`).
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = the pair
+            takes part; combined (AND) with ``attn_mask`` and ``is_causal``.
+            Mods run on the ``"math"`` backend (``"auto"`` picks it when a mod
+            is given); the other backends raise.
 
     Returns:
         ``(..., L, Ev)`` in ``query``'s dtype, or ``(output, weights)`` with
@@ -302,7 +362,10 @@ def scaled_dot_product_attention(
         ValueError: shapes that do not fit, a bad scale or dropout_p, tensors on
             different devices, an unknown backend, or a combination the chosen
             backend does not support (the message names the backend and why).
-        TypeError: non-float inputs, inputs of different dtypes, an integer mask.
+        TypeError: non-float inputs, inputs of different dtypes, an integer mask;
+            a mod of the wrong number of arguments, a ``mask_mod`` returning a
+            non-bool tensor or a ``score_mod`` returning a bool one (a mod
+            returning a wrongly shaped tensor is a ``ValueError``).
 
     Examples:
         >>> import torch
@@ -316,9 +379,16 @@ def scaled_dot_product_attention(
     _backends.check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
+    has_mods = _check_mods(score_mod, mask_mod)
+    if has_mods and backend not in ("math", "auto"):
+        given = " and ".join(n for n, m in (("score_mod", score_mod), ("mask_mod", mask_mod)) if m is not None)
+        raise ValueError(
+            f"backend={backend!r} cannot run this call: it does not support {given}; "
+            "the 'math' backend supports every mod (use backend='math' or 'auto')"
+        )
     query, key, value, mask, resolved = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
-    chosen = _backends._select(
+    chosen = "math" if has_mods else _backends._select(
         backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, return_weights=return_weights
     )
     if chosen != "math":
@@ -328,7 +398,7 @@ def scaled_dot_product_attention(
         )
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
-    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved))  # (..., L, S)
+    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod))  # (..., L, S)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     # (..., L, S) @ (..., S, Ev) -> (..., L, Ev)
