@@ -11,6 +11,8 @@ Shapes: ``B`` batch, ``H`` heads, ``L`` query length, ``S`` key length;
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -138,6 +140,8 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         return_weights: bool = False,
         average_weights: bool = True,
+        score_mod: Callable[..., torch.Tensor] | None = None,
+        mask_mod: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -152,6 +156,12 @@ class MultiHeadAttention(nn.Module):
             is_causal: top-left aligned causal mask, combined with ``attn_mask``.
             return_weights: also return the attention weights.
             average_weights: average the weights over heads.
+            score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, applied to the
+                scaled scores of every head (`attention_ref.mods`; ``h`` is the
+                query head).
+            mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = takes
+                part, combined with ``attn_mask`` and ``is_causal``. With a mod
+                the module's backend must be ``"math"`` or ``"auto"``.
 
         Returns:
             ``(B, L, embed_dim)``, or ``(output, weights)`` with weights
@@ -183,6 +193,8 @@ class MultiHeadAttention(nn.Module):
             enable_gqa=self.num_kv_heads != self.num_heads,
             return_weights=return_weights,
             backend=self.backend,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
         )  # (B, H, L, D), with return_weights also (B, H, L, S)
         out, weights = result if return_weights else (result, None)
         out = out.transpose(1, 2).reshape(B, L, self.embed_dim)  # (B, H, L, D) -> (B, L, H * D)

@@ -520,3 +520,20 @@ def test_other_backends_refuse_mods(backend, given_mods, named):
     with pytest.raises(ValueError, match=_msg(f"backend={backend!r} cannot run this call: it does not support {named}",
                                               "the 'math' backend supports every mod")):
         scaled_dot_product_attention(q, k, v, backend=backend, **given_mods)
+
+
+def test_multihead_forward_takes_the_mods():
+    from attention_ref import MultiHeadAttention
+
+    torch.manual_seed(0)
+    B, L, d, H = 2, 5, 12, 3
+    mha = MultiHeadAttention(d, H).double()
+    x = torch.randn(B, L, d, dtype=torch.float64)
+    assert torch.equal(mha(x, mask_mod=mods.causal()), mha(x, is_causal=True))
+    bias = mods.alibi(H)(torch.zeros(1, H, L, L, dtype=torch.float64), torch.arange(1)[:, None, None, None],
+                         torch.arange(H)[None, :, None, None], torch.arange(L)[:, None], torch.arange(L))
+    out, w = mha(x, score_mod=mods.alibi(H), return_weights=True, average_weights=False)
+    expected, expected_w = mha(x, attn_mask=bias, return_weights=True,
+                               average_weights=False)  # the bias as a float mask
+    assert torch.allclose(out, expected, atol=1e-12) and torch.allclose(w, expected_w, atol=1e-12)
+    assert not torch.allclose(out, mha(x), atol=1e-6)
