@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from attention_ref import complexity, diagrams, masks, positional
+from attention_ref import complexity, diagrams, masks, positional, testing
 from attention_ref.functional import attention_weights, scaled_dot_product_attention
 from attention_ref.masks import (
     causal_mask,
@@ -53,6 +53,7 @@ __all__ = [
     "padding_mask_from_tokens",
     "positional",
     "scaled_dot_product_attention",
+    "testing",
     "to_additive",
     "viz",
 ]
