@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.functional import _expand_kv_heads, scaled_dot_product_attention
+from attention_ref.masks import causal_mask
 
 __all__ = ["assert_attention_close"]
 
@@ -175,10 +176,8 @@ def _low_precision_attention(
         )
     dtype = query.dtype
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
-    if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        group = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(group, dim=-3)  # (..., Hkv, S, E) -> (..., H, S, E)
-        value = value.repeat_interleave(group, dim=-3)  # (..., Hkv, S, Ev) -> (..., H, S, Ev)
+    if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E), as the reference expands them
+        key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
     allowed = None
@@ -188,7 +187,7 @@ def _low_precision_attention(
         else:
             scores = scores + attn_mask.to(dtype)
     if is_causal:
-        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        causal = causal_mask(L, S, device=query.device)  # (L, S), top-left
         allowed = causal if allowed is None else allowed & causal
     if allowed is None:
         weights = torch.softmax(scores, dim=-1)  # in the inputs' dtype
