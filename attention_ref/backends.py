@@ -56,6 +56,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attention_ref import _inputs
 from attention_ref._validation import fmt_shape
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.tiled import _batch_shape, _tiled
@@ -137,14 +138,13 @@ def select_backend(
         ('sdpa', 'tiled')
     """
     from attention_ref._validation import check_probability
-    from attention_ref.functional import _check_bool, _prepare
 
     check_probability("dropout_p", dropout_p)
-    _check_bool("return_weights", return_weights)
+    _inputs.check_bool("return_weights", return_weights)
     check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    query, key, value, mask, _ = _prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
+    query, key, value, mask, _ = _inputs.prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
     return _select(backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p,
                    return_weights=return_weights)
 
@@ -423,11 +423,10 @@ def _triton(
     key-padding mask may differ per batch entry and per head: it becomes the
     kernel's ``(N, S)`` ``key_padding_mask``.
     """
-    from attention_ref.functional import _expand_kv_heads
     from attention_ref.triton_flash import flash_attention
 
     if enable_gqa:  # the kernel takes as many key/value heads as query heads
-        key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
+        key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     batch = _batch_shape(query, key, value, False)
     N = math.prod(batch)

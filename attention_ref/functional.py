@@ -33,21 +33,13 @@ are none), as `attention_ref.mods.index_grids` builds them.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from attention_ref import _inputs
 from attention_ref import backends as _backends
 from attention_ref import mods as _mods
-from attention_ref._validation import (
-    check_probability,
-    check_scale,
-    fmt_shape,
-    require_float_tensor,
-    require_same_dtype_and_device,
-    require_tensor,
-)
+from attention_ref._validation import check_probability
 from attention_ref.masks import causal_mask
 
 __all__ = ["attention_weights", "scaled_dot_product_attention"]
@@ -56,107 +48,6 @@ __all__ = ["attention_weights", "scaled_dot_product_attention"]
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax runs in at least float32: float16/bfloat16 inputs are upcast."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
-def _kv_group(query: torch.Tensor, kv: torch.Tensor, name: str) -> int:
-    """Check the heads of grouped-query attention; return how many query heads share a kv head."""
-    if query.dim() < 3 or kv.dim() < 3:
-        raise ValueError(
-            f"enable_gqa=True needs query and {name} with a heads dim (..., H, L|S, E), "
-            f"got query {fmt_shape(query.shape)} and {name} {fmt_shape(kv.shape)}"
-        )
-    q_heads, kv_heads = query.shape[-3], kv.shape[-3]
-    if kv_heads == 0 or q_heads % kv_heads != 0:
-        raise ValueError(
-            f"enable_gqa=True needs the query heads ({q_heads}) to be a multiple of the "
-            f"{name} heads, got {name} heads = {kv_heads}"
-        )
-    return q_heads // kv_heads
-
-
-def _expand_kv_heads(query: torch.Tensor, kv: torch.Tensor, name: str) -> torch.Tensor:
-    """Repeat the key/value heads of grouped-query attention to match the query heads."""
-    # (..., Hkv, S, E) -> (..., H, S, E): each key/value head serves H // Hkv query heads.
-    return kv.repeat_interleave(_kv_group(query, kv, name), dim=-3)
-
-
-def _check_qk(
-    query: object, key: object, value: object | None, enable_gqa: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
-    """Validate query/key(/value); return them and the batch shape.
-
-    With ``enable_gqa`` the grouped key/value heads are returned as they are (the
-    fused backends take them so; the math path expands them with
-    ``_expand_kv_heads``), and the batch shape counts them as the query heads.
-    """
-    query = require_float_tensor("query", query, 2, "(..., L, E)")
-    key = require_float_tensor("key", key, 2, "(..., S, E)")
-    tensors = {"query": query, "key": key}
-    if value is not None:
-        value = require_float_tensor("value", value, 2, "(..., S, Ev)")
-        tensors["value"] = value
-    require_same_dtype_and_device(**tensors)
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(
-            f"query and key must have the same last dim E: query {fmt_shape(query.shape)} "
-            f"has E={query.shape[-1]}, key {fmt_shape(key.shape)} has E={key.shape[-1]}"
-        )
-    if value is not None and value.shape[-2] != key.shape[-2]:
-        raise ValueError(
-            f"key and value must have the same length S (dim -2): key {fmt_shape(key.shape)} "
-            f"has S={key.shape[-2]}, value {fmt_shape(value.shape)} has S={value.shape[-2]}"
-        )
-    _check_bool("enable_gqa", enable_gqa)
-    if enable_gqa:
-        if value is not None and (value.dim() < 3 or value.shape[-3] != key.shape[-3]):
-            raise ValueError(
-                f"enable_gqa=True needs key and value with the same number of heads (dim -3), "
-                f"got key {fmt_shape(key.shape)} and value {fmt_shape(value.shape)}"
-            )
-        _kv_group(query, key, "key")
-    leading = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
-    # Leading dims as the math sees them: grouped key/value heads count as the query heads.
-    lead_shapes = [query.shape[:-2]] + [
-        t.shape[:-3] + query.shape[-3:-2] if enable_gqa else t.shape[:-2] for _, t in leading[1:]
-    ]
-    try:
-        batch = torch.broadcast_shapes(*lead_shapes)
-    except RuntimeError:
-        described = ", ".join(f"{n} {fmt_shape(t.shape[:-2])}" for n, t in leading)
-        hint = ""
-        if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
-            hint = " (for grouped-query attention with fewer key/value heads, pass enable_gqa=True)"
-        raise ValueError(f"the leading (batch) dims must broadcast together, got {described}{hint}") from None
-    return query, key, value, tuple(batch)
-
-
-def _check_mask(attn_mask: object, query: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor | None:
-    """``attn_mask`` is None, or a bool/float tensor broadcastable to ``target = (..., L, S)``."""
-    if attn_mask is None:
-        return None
-    mask = require_tensor("attn_mask", attn_mask)
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"attn_mask must be bool (True = takes part) or floating point (added to the "
-            f"scores), got {mask.dtype}"
-        )
-    if mask.device != query.device:
-        raise ValueError(f"attn_mask must be on the same device as query ({query.device}), got {mask.device}")
-    try:
-        broadcast = tuple(torch.broadcast_shapes(mask.shape, target))
-    except RuntimeError:
-        broadcast = None
-    if broadcast != target:
-        raise ValueError(
-            f"attn_mask must be broadcastable to (..., L, S) = {fmt_shape(target)}, "
-            f"got shape {fmt_shape(mask.shape)}"
-        )
-    return mask
 
 
 def _masked_scores(
@@ -208,34 +99,6 @@ def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
     exp = torch.exp(scores - row_max)  # (..., L, S), every entry in [0, 1]
     denom = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
     return exp / torch.where(denom > 0, denom, torch.ones_like(denom))
-
-
-def _check_mods(score_mod: object, mask_mod: object) -> bool:
-    """Check that the mods are None or callables of FlexAttention's signatures; return whether any is given."""
-    if score_mod is not None:
-        _mods.check_mod("score_mod", score_mod, "score")
-    if mask_mod is not None:
-        _mods.check_mod("mask_mod", mask_mod, "mask")
-    return score_mod is not None or mask_mod is not None
-
-
-def _prepare(
-    query: object,
-    key: object,
-    value: object | None,
-    attn_mask: object,
-    is_causal: object,
-    scale: object,
-    enable_gqa: object,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
-    """Validate every argument; return (query, key, value, mask, scale) ready for the math."""
-    _check_bool("is_causal", is_causal)
-    check_scale(scale)  # type: ignore[arg-type]
-    query, key, value, batch = _check_qk(query, key, value, enable_gqa)  # type: ignore[arg-type]
-    L, S = query.shape[-2], key.shape[-2]
-    mask = _check_mask(attn_mask, query, (*batch, L, S))
-    resolved = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)  # type: ignore[arg-type]
-    return query, key, value, mask, resolved
 
 
 def attention_weights(
@@ -291,10 +154,10 @@ def attention_weights(
         >>> torch.allclose(w, torch.tensor([[1.0, torch.e]]) / (1 + torch.e))
         True
     """
-    _check_mods(score_mod, mask_mod)
-    query, key, _, mask, resolved = _prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
+    _inputs.check_mods(score_mod, mask_mod)
+    query, key, _, mask, resolved = _inputs.prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
-        key = _expand_kv_heads(query, key, "key")
+        key = _inputs.expand_kv_heads(query, key, "key")
     weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod))
     return weights.to(query.dtype)
 
@@ -375,18 +238,18 @@ def scaled_dot_product_attention(
         torch.Size([2, 3, 4])
     """
     check_probability("dropout_p", dropout_p)
-    _check_bool("return_weights", return_weights)
+    _inputs.check_bool("return_weights", return_weights)
     _backends.check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    has_mods = _check_mods(score_mod, mask_mod)
+    has_mods = _inputs.check_mods(score_mod, mask_mod)
     if has_mods and backend not in ("math", "auto"):
         given = " and ".join(n for n, m in (("score_mod", score_mod), ("mask_mod", mask_mod)) if m is not None)
         raise ValueError(
             f"backend={backend!r} cannot run this call: it does not support {given}; "
             "the 'math' backend supports every mod (use backend='math' or 'auto')"
         )
-    query, key, value, mask, resolved = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
     chosen = "math" if has_mods else _backends._select(
         backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, return_weights=return_weights
@@ -397,7 +260,7 @@ def scaled_dot_product_attention(
             enable_gqa=enable_gqa,
         )
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
-        key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
+        key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
     weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod))  # (..., L, S)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)

@@ -7,6 +7,9 @@ boolean ``key_padding_mask`` and ``attn_mask``; `from_key_padding_mask`
 converts at that boundary. A float mask is added to the scores (``0`` keeps a
 pair, ``-inf`` removes it).
 
+The builders are the dense form of `attention_ref.mods`' mask mods, made with
+`attention_ref.mods.create_mask`: each mask is defined once, as a mod.
+
 Shapes: ``B`` batch, ``L`` query length, ``S`` key length. Masks returned here
 broadcast against the ``(B, H, L, S)`` scores of multi-head attention.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from attention_ref import mods
 from attention_ref._validation import check_positive_int, fmt_shape, require_tensor
 
 __all__ = [
@@ -64,10 +68,7 @@ def causal_mask(
     if alignment not in _ALIGNMENTS:
         raise ValueError(f"alignment must be one of {_ALIGNMENTS}, got {alignment!r}")
     offset = 0 if alignment == "top_left" else S - L
-    # (L, 1) >= (1, S) - offset -> (L, S)
-    rows = torch.arange(L, device=device).unsqueeze(-1)
-    cols = torch.arange(S, device=device).unsqueeze(0)
-    return cols <= rows + offset
+    return mods.create_mask(mods.causal(offset), None, None, L, S, device)[0, 0]  # (1, 1, L, S) -> (L, S)
 
 
 def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
@@ -99,9 +100,9 @@ def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
             f"lengths must lie in [0, S] = [0, {S}], got values from {int(lengths.min())} "
             f"to {int(lengths.max())}"
         )
-    positions = torch.arange(S, device=lengths.device)  # (S,)
-    keep = positions.unsqueeze(0) < lengths.unsqueeze(-1)  # (1, S) < (B, 1) -> (B, S)
-    return keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    B = lengths.shape[0]
+    # One query row stands for all of them: (B, 1, 1, S) broadcasts over heads and queries.
+    return mods.create_mask(mods.padding(lengths), B, None, 1, S, lengths.device)
 
 
 def padding_mask_from_tokens(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -126,7 +127,8 @@ def padding_mask_from_tokens(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
         raise ValueError(f"tokens must be 2-D (B, S), got shape {fmt_shape(tokens.shape)}")
     if isinstance(pad_id, bool) or not isinstance(pad_id, int):
         raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
-    return (tokens != pad_id)[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    B, S = tokens.shape
+    return mods.create_mask(mods.padding_tokens(tokens, pad_id), B, None, 1, S, tokens.device)  # (B, 1, 1, S)
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

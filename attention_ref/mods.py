@@ -51,9 +51,11 @@ __all__ = [
     "chunked",
     "compose",
     "create_mask",
+    "describe",
     "document",
     "or_masks",
     "padding",
+    "padding_tokens",
     "prefix_lm",
     "sliding_window",
     "softcap",
@@ -140,6 +142,28 @@ def _with_checks(mod: Callable[..., object], checks: Sequence[Callable[[int, int
     mod._attention_ref_checks = tuple(checks)  # type: ignore[attr-defined]
 
 
+def _made_by(mod: Callable[..., object], factory: str, **arguments: object) -> None:
+    """Record which factory made ``mod`` and with what arguments (read by `describe`)."""
+    mod._attention_ref_made_by = (factory, dict(arguments))  # type: ignore[attr-defined]
+
+
+def describe(mod: Callable[..., object] | None) -> tuple[str, dict[str, object]] | None:
+    """The factory of this module that made ``mod`` and its resolved arguments, or ``None``.
+
+    Fused kernels use it to recognise the mods they implement natively (the
+    Triton kernel: `causal`, `sliding_window`, `softcap`); a mod written by hand,
+    or combined with `and_masks`, `or_masks` or `compose`, gives ``None`` and
+    runs as a function.
+
+    Examples:
+        >>> describe(sliding_window(3, offset=2))
+        ('sliding_window', {'left': 3, 'right': 0, 'offset': 2})
+        >>> describe(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) is None
+        True
+    """
+    return getattr(mod, "_attention_ref_made_by", None)
+
+
 def validate_sizes(mod: Callable[..., object] | None, B: int, H: int, L: int, S: int) -> None:
     """Run the size checks a mod from this module carries (document ids, lengths, heads).
 
@@ -191,6 +215,7 @@ def causal(offset: int = 0) -> MaskMod:
     def causal_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return kv_idx <= q_idx + offset
 
+    _made_by(causal_mask_mod, "causal", offset=offset)
     return causal_mask_mod
 
 
@@ -234,6 +259,7 @@ def sliding_window(left: int | None, right: int | None = 0, offset: int = 0) -> 
             keep = keep & (distance <= right)
         return keep
 
+    _made_by(sliding_window_mask_mod, "sliding_window", left=left, right=right, offset=offset)
     return sliding_window_mask_mod
 
 
@@ -423,6 +449,48 @@ def padding(lengths: torch.Tensor) -> MaskMod:
     return padding_mask_mod
 
 
+def padding_tokens(tokens: torch.Tensor, pad_id: int) -> MaskMod:
+    """Key padding from token ids: key ``j`` takes part for batch entry ``b`` when ``tokens[b, j] != pad_id``.
+
+    Unlike `padding`, the padding may sit anywhere (left padding, or pads between
+    packed sequences).
+
+    Args:
+        tokens: ``(B, S)`` integer token ids of the keys.
+        pad_id: the padding token id.
+
+    Returns:
+        ``mask_mod(b, h, q_idx, kv_idx)``.
+
+    Raises:
+        TypeError: ``tokens`` not an integer tensor, ``pad_id`` not an int.
+        ValueError: ``tokens`` not 2-D; when the mod is used, a batch that is not
+            ``B`` or a key length that is not ``S``.
+
+    Examples:
+        >>> create_mask(padding_tokens(torch.tensor([[0, 5, 7]]), 0), 1, None, 1, 3)[0, 0].int().tolist()
+        [[0, 1, 1]]
+    """
+    tokens = _require_int_tensor("tokens", tokens, "(B, S)", (2,))
+    pad_id = _check_int("pad_id", pad_id)
+    keep = tokens != pad_id  # (B, S)
+
+    def padding_tokens_mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return keep[b, kv_idx]
+
+    def check(B: int, H: int, L: int, S: int) -> None:
+        if tuple(tokens.shape) != (B, S):
+            raise ValueError(
+                f"padding_tokens(tokens): tokens must have shape (B, S) = {fmt_shape((B, S))}, "
+                f"got shape {fmt_shape(tokens.shape)}"
+            )
+
+    _with_checks(padding_tokens_mask_mod, [check])
+    return padding_tokens_mask_mod
+
+
 def and_masks(*mask_mods: MaskMod) -> MaskMod:
     """Intersection: a pair takes part when every mod keeps it (``all``; no mods keeps every pair).
 
@@ -597,6 +665,7 @@ def softcap(cap: float) -> ScoreMod:
     ) -> torch.Tensor:
         return cap * torch.tanh(score / cap)
 
+    _made_by(softcap_score_mod, "softcap", cap=cap)
     return softcap_score_mod
 
 
@@ -636,14 +705,23 @@ def compose(*score_mods: ScoreMod) -> ScoreMod:
 
 
 def index_grids(
-    batch: Sequence[int], L: int, S: int, device: torch.device | str | None = None
+    batch: Sequence[int],
+    L: int,
+    S: int,
+    device: torch.device | str | None = None,
+    *,
+    q_start: int = 0,
+    kv_start: int = 0,
 ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(B, H, b, h, q_idx, kv_idx)`` for scores of shape ``(*batch, L, S)``: broadcasting index tensors.
 
     The last leading dim is the heads ``H``; the dims before it are flattened
     into the batch index ``b`` (``B`` entries). With one leading dim it is the
     heads and ``b`` is 0; with none, ``b = h = 0``. Each index has as many dims
-    as the scores, so the four broadcast to ``(*batch, L, S)``.
+    as the scores, so the four broadcast to ``(*batch, L, S)``. ``q_start`` and
+    ``kv_start`` shift the positions, for a block of the scores: queries
+    ``q_start .. q_start + L - 1`` against keys ``kv_start .. kv_start + S - 1``
+    (the tiled path evaluates mods block by block).
 
     Examples:
         >>> B, H, b, h, q, kv = index_grids((2, 3), 5, 7)
@@ -658,8 +736,8 @@ def index_grids(
     # (B,) -> (*batch[:-1], 1, 1, 1): the flattened index of the dims in front of the heads
     b = torch.arange(B, device=device).reshape(*batch[:-1], 1, 1, 1) if len(batch) > 1 else zero
     h = torch.arange(H, device=device).reshape(ones[:-3] + (H, 1, 1)) if batch else zero  # (..., H, 1, 1)
-    q_idx = torch.arange(L, device=device).reshape(ones[:-2] + (L, 1))
-    kv_idx = torch.arange(S, device=device).reshape(ones[:-1] + (S,))
+    q_idx = torch.arange(q_start, q_start + L, device=device).reshape(ones[:-2] + (L, 1))
+    kv_idx = torch.arange(kv_start, kv_start + S, device=device).reshape(ones[:-1] + (S,))
     return B, H, b, h, q_idx, kv_idx
 
 

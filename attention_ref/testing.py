@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from attention_ref.functional import _expand_kv_heads, scaled_dot_product_attention
+from attention_ref._inputs import expand_kv_heads
+from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.masks import causal_mask
 
 __all__ = ["assert_attention_close"]
@@ -177,7 +178,7 @@ def _low_precision_attention(
     dtype = query.dtype
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E), as the reference expands them
-        key, value = _expand_kv_heads(query, key, "key"), _expand_kv_heads(query, value, "value")
+        key, value = expand_kv_heads(query, key, "key"), expand_kv_heads(query, value, "value")
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
     allowed = None

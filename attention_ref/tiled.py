@@ -64,6 +64,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from attention_ref import _inputs
 from attention_ref._validation import check_positive_int
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "tiled_attention"]
@@ -137,14 +138,11 @@ def tiled_attention(
         >>> torch.allclose(out, scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
         True
     """
-    # Imported here: attention_ref.functional imports attention_ref.backends, which imports this module.
-    from attention_ref.functional import _prepare
-
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    query, key, value, mask, resolved = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                   block_q=block_q, block_k=block_k)
 

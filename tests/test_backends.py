@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attention_ref.functional as functional
+from attention_ref import _inputs
 from attention_ref import MultiHeadAttention, backends, scaled_dot_product_attention
 from attention_ref.backends import CPU_TILED_MIN_LENGTH, select_backend
 
@@ -227,13 +227,13 @@ def test_sdpa_dropout_is_torchs_own():
 
 def test_arguments_are_validated_once(monkeypatch):
     calls = []
-    original = functional._prepare
+    original = _inputs.prepare
 
     def counting(*args, **kwargs):
         calls.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(functional, "_prepare", counting)
+    monkeypatch.setattr(_inputs, "prepare", counting)
     q = torch.randn(2, 7, 8)
     for backend in RUNNABLE:
         calls.clear()
