@@ -52,14 +52,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from attention_ref import _inputs
-from attention_ref._validation import fmt_shape
+from attention_ref import _inputs, mods
+from attention_ref._validation import check_probability, fmt_shape
 from attention_ref.masks import causal_mask, combine_masks
-from attention_ref.tiled import _batch_shape, _tiled
+from attention_ref.tiled import BlockMask, _batch_shape, _mod_sizes, _tiled, create_block_mask
 
 __all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "TRITON_VERIFIED_ON_GPU", "auto_rule", "check_backend", "select_backend"]
 
@@ -70,6 +71,17 @@ BACKENDS = ("math", "tiled", "sdpa", "triton", "auto")
 #: from this sequence length (``max(L, S)``) on: there torch's CPU SDPA's float copy
 #: of the mask reaches 256 MiB (measured: ``benchmarks/attention_bench.py --preset cpu``).
 CPU_TILED_MIN_LENGTH = 8192
+
+#: Blocks of the tiled path when a ``mask_mod`` is given (smaller than the dense defaults, so a
+#: narrow band skips more): measured with ``benchmarks/block_sparse_bench.py``.
+TILED_MODS_BLOCK_Q = 128
+TILED_MODS_BLOCK_K = 128
+
+#: ``"auto"`` with a ``mask_mod`` on CPU measures its block sparsity from this length
+#: (``max(L, S)``) on, and picks ``"tiled"`` when at least this fraction of blocks is
+#: empty; otherwise mods run on ``"math"``. Measured: ``benchmarks/block_sparse_bench.py``.
+CPU_MODS_TILED_MIN_LENGTH = 1024
+CPU_MODS_TILED_MIN_SKIPPED = 0.5
 
 #: Whether the Triton kernel's tests (``tests/test_triton_flash.py``, bfloat16 and large
 #: shapes included) and the GPU benchmark (Triton at least as fast as torch's flash backend)
@@ -111,6 +123,8 @@ def select_backend(
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
     return_weights: bool = False,
+    score_mod: mods.ScoreMod | None = None,
+    mask_mod: mods.MaskMod | None = None,
 ) -> str:
     """The backend `attention_ref.scaled_dot_product_attention` would run for these arguments.
 
@@ -137,62 +151,78 @@ def select_backend(
         >>> select_backend(long, long, long), select_backend(long, long, long, band)
         ('sdpa', 'tiled')
     """
-    from attention_ref._validation import check_probability
-
     check_probability("dropout_p", dropout_p)
     _inputs.check_bool("return_weights", return_weights)
     check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
+    _inputs.check_mods(score_mod, mask_mod)
     query, key, value, mask, _ = _inputs.prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
-    return _select(backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p,
-                   return_weights=return_weights)
+    call = Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod)
+    return _select(backend, call)
 
 
 # --- selection -------------------------------------------------------------------------------
 
 
-def _select(
-    backend: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    is_causal: bool,
-    dropout_p: float,
-    return_weights: bool,
-) -> str:
-    """Resolve ``"auto"`` and check that the backend can honour the (validated) arguments."""
+@dataclass
+class Call:
+    """One validated call: the tensors and every option a backend may not honour."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    is_causal: bool = False
+    dropout_p: float = 0.0
+    enable_gqa: bool = False
+    return_weights: bool = False
+    score_mod: mods.ScoreMod | None = None
+    mask_mod: mods.MaskMod | None = None
+    #: Made by ``"auto"`` when it looked at the mask_mod's sparsity; the tiled path reuses it.
+    block_mask: BlockMask | None = None
+
+    @property
+    def has_mods(self) -> bool:
+        return self.score_mod is not None or self.mask_mod is not None
+
+
+def _select(backend: str, call: Call) -> str:
+    """Resolve ``"auto"`` and check that the backend can honour the (validated) call."""
     if backend == "auto":
-        return _auto(query, key, value, mask, dropout_p=dropout_p, return_weights=return_weights)
-    reason = _unsupported(backend, query, key, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+        return _auto(call)
+    reason = _unsupported(backend, call)
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
     return backend
 
 
-def _auto(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    dropout_p: float,
-    return_weights: bool,
-) -> str:
-    """The facts `auto_rule` needs, read off the (validated) arguments."""
+def _auto(call: Call) -> str:
+    """The facts `auto_rule` needs, read off the (validated) call."""
+    query, key = call.query, call.key
     device = query.device.type
-    triton_ok = TRITON_VERIFIED_ON_GPU and device == "cuda" and not return_weights and _unsupported(
-        "triton", query, key, value, mask, dropout_p=dropout_p, return_weights=False
+    triton_ok = TRITON_VERIFIED_ON_GPU and device == "cuda" and not call.return_weights and _unsupported(
+        "triton", call
     ) is None
+    length = max(query.shape[-2], key.shape[-2])
+    skipped = None
+    if device == "cpu" and call.mask_mod is not None and not call.return_weights and length >= CPU_MODS_TILED_MIN_LENGTH:
+        # The block mask is needed to know the sparsity; made once here, the tiled path reuses it.
+        batch = _batch_shape(query, key, call.value, call.enable_gqa)
+        call.block_mask = create_block_mask(call.mask_mod, *_mod_sizes(batch), query.shape[-2], key.shape[-2],
+                                            block_q=TILED_MODS_BLOCK_Q, block_k=TILED_MODS_BLOCK_K,
+                                            device=query.device)
+        skipped = call.block_mask.fraction_skipped
     return auto_rule(
         device_type=device,
-        length=max(query.shape[-2], key.shape[-2]),
-        query_dependent_mask=mask is not None and not _is_key_padding(mask),
-        dropout=dropout_p > 0,
-        return_weights=return_weights,
+        length=length,
+        query_dependent_mask=call.mask is not None and not _is_key_padding(call.mask),
+        dropout=call.dropout_p > 0,
+        return_weights=call.return_weights,
         triton_supported=triton_ok,
+        mods=call.has_mods,
+        fraction_skipped=skipped,
     )
 
 
@@ -204,6 +234,8 @@ def auto_rule(
     dropout: bool = False,
     return_weights: bool = False,
     triton_supported: bool = False,
+    mods: bool = False,
+    fraction_skipped: float | None = None,
 ) -> str:
     """The ``"auto"`` rule itself, as a function of the facts it looks at.
 
@@ -216,7 +248,11 @@ def auto_rule(
         return_weights: the weights are requested.
         triton_supported: the Triton kernel is verified on GPUs
             (``TRITON_VERIFIED_ON_GPU``), available on this device and supports
-            the call (dtype, head size, mask kind, no dropout).
+            the call (dtype, head size, mask kind, mods, no dropout).
+        mods: a ``score_mod`` or a ``mask_mod`` is given.
+        fraction_skipped: the fraction of the tiled path's blocks that the
+            ``mask_mod`` empties (``None`` when not measured: no ``mask_mod``,
+            not on CPU, or shorter than ``CPU_MODS_TILED_MIN_LENGTH``).
 
     Returns:
         The backend ``"auto"`` runs.
@@ -226,36 +262,44 @@ def auto_rule(
         'triton'
         >>> auto_rule(device_type="cpu", length=16384, query_dependent_mask=True)
         'tiled'
+        >>> auto_rule(device_type="cpu", length=8192, mods=True, fraction_skipped=0.9)
+        'tiled'
+        >>> auto_rule(device_type="cpu", length=512, mods=True)
+        'math'
     """
     if return_weights:
         return "math"  # 1. only the reference forms the weights
+    if device_type == "cuda" and triton_supported:
+        return "triton"  # 2. our kernel where it applies
+    if mods:
+        # 3. mods: the tiled path where it skips enough blocks (CPU, measured), else the reference
+        if not dropout and fraction_skipped is not None and fraction_skipped >= CPU_MODS_TILED_MIN_SKIPPED:
+            return "tiled"
+        return "math"
     if device_type == "cuda":
-        return "triton" if triton_supported else "sdpa"  # 2. our kernel where it applies, else torch's
+        return "sdpa"  # 4. torch's fused kernels
     if device_type == "cpu" and length >= CPU_TILED_MIN_LENGTH and query_dependent_mask and not dropout:
-        return "tiled"  # 3. no float (L, S) copy of the mask
-    return "sdpa"  # 4.
+        return "tiled"  # 5. no float (L, S) copy of the mask
+    return "sdpa"  # 6.
 
 
-def _unsupported(
-    backend: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    dropout_p: float,
-    return_weights: bool,
-) -> str | None:
+def _unsupported(backend: str, call: Call) -> str | None:
     """Why ``backend`` cannot run this call, or ``None`` when it can."""
+    query, value, mask, dropout_p = call.query, call.value, call.mask, call.dropout_p
     if backend == "math":
         return None
-    if return_weights:
+    if call.return_weights:
         return "it never forms the (L, S) attention weights; use backend='math' (or 'auto') for return_weights=True"
     if backend == "tiled":
         if dropout_p > 0:
             return f"dropout is not implemented in the tiled path (dropout_p={dropout_p}); use backend='math' or 'sdpa'"
         return None
     if backend == "sdpa":
+        if call.score_mod is not None:
+            return (
+                "torch's scaled_dot_product_attention takes no score_mod (a mask_mod it can take, "
+                "materialised as a boolean (L, S) mask); use backend='math' or 'tiled'"
+            )
         return None
     # backend == "triton"
     if dropout_p > 0:
@@ -286,7 +330,35 @@ def _unsupported(
                 f"(broadcastable to (..., 1, S), e.g. (B, 1, 1, S)), got attn_mask of shape "
                 f"{fmt_shape(mask.shape)}; use backend='math', 'tiled' or 'sdpa'"
             )
-    return None
+    return _triton_options(call)[1]
+
+
+def _triton_options(call: Call) -> tuple[dict[str, object], str | None]:
+    """The kernel's options for the call's mods, or the reason it has none for them.
+
+    The kernel implements `mods.causal` and `mods.sliding_window` (as its
+    window) and `mods.softcap` natively; it recognises them by `mods.describe`.
+    """
+    options: dict[str, object] = {}
+    made = mods.describe(call.mask_mod)
+    if call.mask_mod is not None:
+        if made is None or made[0] not in ("causal", "sliding_window"):
+            return options, (
+                "the Triton kernel takes only the mask mods mods.causal and mods.sliding_window "
+                "(recognised by mods.describe), got another mask_mod; use backend='math' or 'tiled'"
+            )
+        args = made[1]
+        options["window"] = (None, 0) if made[0] == "causal" else (args["left"], args["right"])
+        options["window_offset"] = args["offset"]
+    made = mods.describe(call.score_mod)
+    if call.score_mod is not None:
+        if made is None or made[0] != "softcap":
+            return options, (
+                "the Triton kernel takes only the score mod mods.softcap (recognised by "
+                "mods.describe), got another score_mod; use backend='math' or 'tiled'"
+            )
+        options["softcap"] = made[1]["cap"]
+    return options, None
 
 
 def _triton_available(device: torch.device) -> bool:
@@ -301,26 +373,26 @@ def _triton_available(device: torch.device) -> bool:
 # --- running ---------------------------------------------------------------------------------
 
 
-def _run(
-    backend: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    is_causal: bool,
-    scale: float,
-    dropout_p: float,
-    enable_gqa: bool,
-) -> torch.Tensor:
-    """Run a non-math backend on validated tensors (key/value heads not expanded)."""
+def _run(backend: str, call: Call, scale: float) -> torch.Tensor:
+    """Run a non-math backend on a validated call (key/value heads not expanded)."""
+    query, key, value, mask = call.query, call.key, call.value, call.mask
     if backend == "tiled":
-        return _tiled(query, key, value, mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        block_q, block_k = (TILED_MODS_BLOCK_Q, TILED_MODS_BLOCK_K) if call.mask_mod is not None else (None, None)
+        blocks = {"block_q": block_q, "block_k": block_k} if block_q is not None else {}
+        return _tiled(query, key, value, mask, is_causal=call.is_causal, scale=scale, enable_gqa=call.enable_gqa,
+                      score_mod=call.score_mod, mask_mod=call.mask_mod, block_mask=call.block_mask, **blocks)
     if backend == "sdpa":
-        return _sdpa(query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                     enable_gqa=enable_gqa)
+        if call.mask_mod is not None:  # materialised: a boolean (..., L, S) mask, combined with attn_mask
+            batch = _batch_shape(query, key, value, call.enable_gqa)
+            keep = mods.apply_mask_mod(call.mask_mod, batch, query.shape[-2], key.shape[-2], query.device)
+            mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool
+                                              else mask.masked_fill(~keep, float("-inf")))
+        return _sdpa(query, key, value, mask, is_causal=call.is_causal, scale=scale, dropout_p=call.dropout_p,
+                     enable_gqa=call.enable_gqa)
     if backend == "triton":
-        return _triton(query, key, value, mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        options, _ = _triton_options(call)
+        return _triton(query, key, value, mask, is_causal=call.is_causal, scale=scale, enable_gqa=call.enable_gqa,
+                       **options)
     raise AssertionError(f"unreachable: backend {backend!r}")  # _select only returns known names
 
 
@@ -416,6 +488,7 @@ def _triton(
     is_causal: bool,
     scale: float,
     enable_gqa: bool,
+    **options: object,
 ) -> torch.Tensor:
     """Call `attention_ref.triton_flash.flash_attention` on ``(N, 1, L, D)`` tensors.
 
@@ -437,5 +510,6 @@ def _triton(
         # (..., 1, S') -> (*batch, 1, S) -> (N, S): one row of keys per batch entry and head
         key_padding = mask.expand(*batch, 1, S).reshape(N, S)
     # The kernel itself gives 0 (and zero gradients) on rows where no key takes part.
-    out = flash_attention(q4, k4, v4, is_causal=is_causal, scale=scale, key_padding_mask=key_padding)
+    out = flash_attention(q4, k4, v4, is_causal=is_causal, scale=scale, key_padding_mask=key_padding,
+                          **options)  # type: ignore[arg-type]
     return out.reshape(*batch, L, Ev)

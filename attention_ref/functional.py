@@ -242,23 +242,14 @@ def scaled_dot_product_attention(
     _backends.check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
-    has_mods = _inputs.check_mods(score_mod, mask_mod)
-    if has_mods and backend not in ("math", "auto"):
-        given = " and ".join(n for n, m in (("score_mod", score_mod), ("mask_mod", mask_mod)) if m is not None)
-        raise ValueError(
-            f"backend={backend!r} cannot run this call: it does not support {given}; "
-            "the 'math' backend supports every mod (use backend='math' or 'auto')"
-        )
+    _inputs.check_mods(score_mod, mask_mod)
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
-    chosen = "math" if has_mods else _backends._select(
-        backend, query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, return_weights=return_weights
-    )
+    call = _backends.Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                          return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod)
+    chosen = _backends._select(backend, call)
     if chosen != "math":
-        return _backends._run(
-            chosen, query, key, value, mask, is_causal=is_causal, scale=resolved, dropout_p=dropout_p,
-            enable_gqa=enable_gqa,
-        )
+        return _backends._run(chosen, call, resolved)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
     weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod))  # (..., L, S)

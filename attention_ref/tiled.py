@@ -60,14 +60,15 @@ Shapes use the package legend (``B``, ``H``, ``L``, ``S``, ``E``, ``Ev``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from attention_ref import _inputs
-from attention_ref._validation import check_positive_int
+from attention_ref import _inputs, mods
+from attention_ref._validation import check_positive_int, fmt_shape
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "tiled_attention"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "BlockMask", "create_block_mask", "tiled_attention"]
 
 #: Queries per block. Tuned for CPU throughput (``benchmarks/attention_bench.py --tune``).
 DEFAULT_BLOCK_Q = 256
@@ -80,6 +81,187 @@ _LN2 = math.log(2.0)
 #: The lazy step keeps the old running max while a block's weights against it sum to at most
 #: 2**_LAZY_GROWTH (a score at most 32 powers of 2 above it); a larger sum redoes the block exactly.
 _LAZY_GROWTH = 32
+#: The kinds of a (query block, key block) pair in a `BlockMask`.
+_EMPTY, _PARTIAL, _FULL = 0, 1, 2
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """Which blocks of the ``(L, S)`` scores a ``mask_mod`` empties, cuts or keeps whole.
+
+    Made by `create_block_mask`; the tiled path skips the empty pairs of
+    (query block, key block) in the forward and the backward pass, computes the
+    full ones without evaluating the mod, and evaluates it only on the partial
+    ones. The same idea as FlexAttention's ``BlockMask``, for this path's blocks.
+
+    Attributes:
+        mask_mod: the mod it was made from.
+        B, H: the batch and heads it was evaluated for (1 = the mod does not
+            depend on ``b`` / ``h``).
+        L, S: query and key length.
+        block_q, block_k: the block sizes; the attention call must use the same.
+        kinds: ``(ceil(L / block_q), ceil(S / block_k))`` int8: 0 empty (no
+            pair of the block takes part, for any ``b`` and ``h``), 1 partial,
+            2 full (every pair takes part).
+    """
+
+    mask_mod: mods.MaskMod
+    B: int
+    H: int
+    L: int
+    S: int
+    block_q: int
+    block_k: int
+    kinds: torch.Tensor
+
+    @property
+    def fraction_skipped(self) -> float:
+        """The fraction of blocks never computed (0.0 for an empty grid)."""
+        total = self.kinds.numel()
+        return float((self.kinds == _EMPTY).sum()) / total if total else 0.0
+
+    def counts(self) -> dict[str, int]:
+        """How many blocks are empty, partial and full."""
+        return {name: int((self.kinds == kind).sum())
+                for name, kind in (("empty", _EMPTY), ("partial", _PARTIAL), ("full", _FULL))}
+
+    def __repr__(self) -> str:
+        c = self.counts()
+        return (f"BlockMask(B={self.B}, H={self.H}, L={self.L}, S={self.S}, block_q={self.block_q}, "
+                f"block_k={self.block_k}, empty={c['empty']}, partial={c['partial']}, full={c['full']})")
+
+
+def create_block_mask(
+    mask_mod: mods.MaskMod,
+    B: int | None,
+    H: int | None,
+    L: int,
+    S: int,
+    *,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+    device: torch.device | str | None = None,
+) -> BlockMask:
+    """Classify every (query block, key block) pair of ``mask_mod`` as empty, partial or full.
+
+    The mod is evaluated one strip of ``block_q`` query rows at a time (a
+    ``(B, H, block_q, S)`` boolean at most), so this never forms the whole
+    ``(L, S)`` mask. A block is empty when no ``(b, h, i, j)`` in it takes
+    part and full when every one does.
+
+    Args:
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = takes part.
+        B: batch size; ``None`` = 1, for a mod that does not depend on ``b``
+            (as FlexAttention's ``create_block_mask``).
+        H: heads; ``None`` = 1, for a mod that does not depend on ``h``.
+        L: query length.
+        S: key length.
+        block_q: queries per block, as the attention call will use.
+        block_k: keys per block, as the attention call will use.
+        device: where to evaluate the mod.
+
+    Returns:
+        A `BlockMask`.
+
+    Raises:
+        TypeError: ``mask_mod`` not a mask mod, or returning a non-bool tensor.
+        ValueError: negative sizes, non-positive block sizes, a mod built from
+            tensors that do not fit ``(B, H, L, S)``.
+
+    Examples:
+        >>> from attention_ref import mods
+        >>> bm = create_block_mask(mods.sliding_window(3), None, None, 8, 8, block_q=2, block_k=2)
+        >>> bm.kinds.tolist()  # 0 empty, 1 partial, 2 full
+        [[1, 0, 0, 0], [2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1]]
+        >>> bm.counts(), bm.fraction_skipped
+        ({'empty': 7, 'partial': 6, 'full': 3}, 0.4375)
+    """
+    mods.check_mod("mask_mod", mask_mod, "mask")
+    B = 1 if B is None else check_positive_int("B", B, allow_zero=True)
+    H = 1 if H is None else check_positive_int("H", H, allow_zero=True)
+    check_positive_int("L", L, allow_zero=True)
+    check_positive_int("S", S, allow_zero=True)
+    check_positive_int("block_q", block_q)
+    check_positive_int("block_k", block_k)
+    mods.validate_sizes(mask_mod, B, H, L, S)
+    nq, nk = -(-L // block_q), -(-S // block_k)
+    kinds = torch.empty(nq, nk, dtype=torch.int8)
+    for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
+        keep = _checked_strip(mask_mod, (B, H), i0, i1, S, device)  # broadcastable to (B, H, bq, S)
+        pad = nk * block_k - S  # the last key block may be short: pad it neutrally for each reduction
+        flat = keep.expand(*keep.shape[:-1], S).reshape(-1, S)  # (..., bq, S') -> (rows, S)
+        any_ = torch.nn.functional.pad(flat, (0, pad), value=False).view(-1, nk, block_k).any(dim=2).any(dim=0)
+        all_ = torch.nn.functional.pad(flat, (0, pad), value=True).view(-1, nk, block_k).all(dim=2).all(dim=0)
+        kinds[qi] = torch.where(all_, _FULL, torch.where(any_, _PARTIAL, _EMPTY)).to(torch.int8).cpu()
+    return BlockMask(mask_mod, B, H, L, S, block_q, block_k, kinds)
+
+
+def _checked_strip(
+    mask_mod: mods.MaskMod, batch: tuple[int, ...], i0: int, i1: int, S: int, device: torch.device | str | None
+) -> torch.Tensor:
+    """``mask_mod`` on query rows i0:i1 and every key, checked: bool, broadcastable to ``(*batch, bq, S)``."""
+    keep = _mod_block(mask_mod, batch, i0, i1, 0, S, device)
+    target = (*batch, i1 - i0, S)
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
+        got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
+        raise TypeError(f"mask_mod must return a bool tensor (True = takes part), got {got}")
+    try:
+        fits = tuple(torch.broadcast_shapes(keep.shape, target)) == target
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask_mod must return a tensor broadcastable to the scores (B, H, L, S), here to its "
+            f"query rows {i0}..{i1 - 1}: {fmt_shape(target)}, got shape {fmt_shape(keep.shape)}"
+        )
+    return keep
+
+
+def _mod_sizes(batch: tuple[int, ...]) -> tuple[int, int]:
+    """``(B, H)`` of a call whose scores have leading dims ``batch``, as the mods index them."""
+    return math.prod(batch[:-1]), (batch[-1] if batch else 1)
+
+
+def _check_block_mask(
+    block_mask: BlockMask,
+    mask_mod: mods.MaskMod | None,
+    batch: tuple[int, ...],
+    L: int,
+    S: int,
+    block_q: int,
+    block_k: int,
+) -> None:
+    """A ``block_mask`` must have been made for this call's mod, sizes and blocks."""
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError("mask_mod and block_mask.mask_mod must be the same function (or pass only block_mask)")
+    B, H = _mod_sizes(batch)
+    expected = {"L": L, "S": S, "block_q": block_q, "block_k": block_k}
+    for name, want in expected.items():
+        got = getattr(block_mask, name)
+        if got != want:
+            raise ValueError(f"block_mask was made for {name}={got}, this call has {name}={want}")
+    for name, want in (("B", B), ("H", H)):
+        got = getattr(block_mask, name)
+        if got not in (1, want):
+            raise ValueError(f"block_mask was made for {name}={got}, this call has {name}={want} (1 broadcasts)")
+
+
+def _check_score_mod(score_mod: mods.ScoreMod, batch: tuple[int, ...], L: int, S: int, query: torch.Tensor) -> None:
+    """Check the sizes a score mod carries, and refuse one whose result would need gradients of its own."""
+    B, H = _mod_sizes(batch)
+    mods.validate_sizes(score_mod, B, H, L, S)
+    if L == 0 or S == 0:
+        return
+    probe = torch.zeros((1,) * (len(batch) + 2), dtype=torch.promote_types(query.dtype, torch.float32),
+                        device=query.device)
+    with torch.enable_grad():
+        _, _, b, h, q_idx, kv_idx = mods.index_grids((1,) * len(batch), 1, 1, query.device)
+        result = score_mod(probe, b, h, q_idx, kv_idx)
+    if isinstance(result, torch.Tensor) and result.requires_grad:
+        raise ValueError(
+            "backend 'tiled' cannot differentiate a score_mod with respect to the tensors it captures "
+            "(its result requires grad); use backend='math'"
+        )
 
 
 def tiled_attention(
@@ -93,6 +275,9 @@ def tiled_attention(
     enable_gqa: bool = False,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    score_mod: mods.ScoreMod | None = None,
+    mask_mod: mods.MaskMod | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor:
     r"""Attention computed block by block with an online softmax; never forms ``(L, S)``.
 
@@ -121,14 +306,27 @@ def tiled_attention(
             shared by matmul broadcasting, never copied ``H / Hkv`` times.
         block_q: queries per block.
         block_k: keys per block. Neither needs to divide ``L`` or ``S``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, applied to each
+            block of scaled scores before the masks (the order of
+            `attention_ref.functional`). Gradients flow through it to the
+            scores; a tensor it captures gets none, so a mod whose result
+            requires grad (a learned bias) is refused: use the math backend.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx)``, ``True`` = takes part,
+            combined (AND) with ``attn_mask`` and ``is_causal``. Blocks it
+            removes entirely are skipped, forward and backward; blocks it keeps
+            entirely are computed without evaluating it (see `BlockMask`).
+        block_mask: a `BlockMask` made in advance by `create_block_mask` with the
+            same ``mask_mod`` and block sizes (built here when omitted), so the
+            classification of the blocks can be reused across calls.
 
     Returns:
         ``(..., L, Ev)`` in ``query``'s dtype, computed in at least float32.
 
     Raises:
         ValueError, TypeError: as `attention_ref.scaled_dot_product_attention`
-            (the same validation runs), and for block sizes that are not
-            positive ints.
+            (the same validation runs), for block sizes that are not positive
+            ints, a ``block_mask`` made for other sizes or another mod, and a
+            ``score_mod`` whose result requires grad.
 
     Examples:
         >>> import torch
@@ -142,9 +340,12 @@ def tiled_attention(
     check_positive_int("block_k", block_k)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
+    _inputs.check_mods(score_mod, mask_mod)
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be an attention_ref.tiled.BlockMask, got {type(block_mask).__name__}")
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
-                  block_q=block_q, block_k=block_k)
+                  block_q=block_q, block_k=block_k, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
 
 
 def _tiled(
@@ -158,14 +359,26 @@ def _tiled(
     enable_gqa: bool,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    score_mod: mods.ScoreMod | None = None,
+    mask_mod: mods.MaskMod | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor:
-    """The tiled path on validated inputs (the dispatcher's entry point)."""
+    """The tiled path on validated inputs (the dispatcher's entry point; mods checked to be callables)."""
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2:]
     H = query.shape[-3] if enable_gqa else 1
     Hkv = key.shape[-3] if enable_gqa else 1
     G = H // Hkv  # query heads per key/value head (1 without grouped-query attention)
     batch = _batch_shape(query, key, value, enable_gqa)
+    kinds = None
+    if block_mask is not None or mask_mod is not None:
+        if block_mask is None:
+            block_mask = create_block_mask(mask_mod, *_mod_sizes(batch), L, S, block_q=block_q, block_k=block_k,
+                                           device=query.device)
+        _check_block_mask(block_mask, mask_mod, batch, L, S, block_q, block_k)
+        mask_mod, kinds = block_mask.mask_mod, block_mask.kinds.tolist()
+    if score_mod is not None:
+        _check_score_mod(score_mod, batch, L, S, query)
     prefix = batch[:-1] if enable_gqa else batch  # the dims in front of the heads
     N = math.prod(prefix)
     compute = torch.promote_types(query.dtype, torch.float32)
@@ -180,7 +393,8 @@ def _tiled(
         q = q.reshape(N, 1, L, E)  # (..., L, E) -> (N, 1, L, E)
         k = key.to(compute).expand(*batch, S, E).reshape(N, S, E)
         v = value.to(compute).expand(*batch, S, Ev).reshape(N, S, Ev)
-    out = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k)  # (N * Hkv, G, L, Ev)
+    mods_ = (score_mod, mask_mod, kinds)
+    out = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)  # (N * Hkv, G, L, Ev)
     return out.reshape(*batch, L, Ev).to(query.dtype)  # -> (..., L, Ev)
 
 
@@ -219,6 +433,8 @@ def _scores_block(
     *,
     offset: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    score_mod: mods.ScoreMod | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked scores (times log2 e) of query rows i0:i1 against keys j0:j1, plus ``offset``: ``(N * Hkv, G * bq, bk)``.
 
@@ -228,7 +444,9 @@ def _scores_block(
     log-sum-exp). The offset and the masks are written first and the matrix
     product is added onto them (``baddbmm_``): one pass over the block fewer than
     adding them afterwards. ``out`` is a buffer with room for the largest block;
-    the result is a contiguous view of its start.
+    the result is a contiguous view of its start. ``score_mod`` modifies the
+    scores first (then the product cannot be added onto the terms); ``keep`` is
+    the block of a ``mask_mod`` (bool, broadcastable to ``(..., H, bq, bk)``).
     """
     NK, GB, _ = q_blk.shape
     bq, bk = i1 - i0, j1 - j0
@@ -244,6 +462,16 @@ def _scores_block(
         # A float mask is added to the scores (times log2 e, like them); a boolean one adds 0 or -inf.
         bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else m_blk.to(s.dtype) * _LOG2E
         terms.append((s.view(*batch, bq, bk), bias))  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
+    if keep is not None:
+        terms.append((s.view(*batch, bq, bk), _bool_to_bias(keep, s.dtype)))
+    if score_mod is not None:
+        # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), then modified in natural units
+        torch.bmm(q_blk, kT_blk, out=s)
+        view = s.view(*batch, bq, bk)  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk)
+        view.copy_(_modified_scores(score_mod, view, batch, i0, j0)).mul_(_LOG2E)
+        for view, term in terms:
+            view.add_(term)
+        return s
     # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), added onto the terms
     if not terms:
         return torch.bmm(q_blk, kT_blk, out=s)
@@ -252,6 +480,23 @@ def _scores_block(
     for view, term in rest:
         view.add_(term)
     return s.baddbmm_(q_blk, kT_blk)
+
+
+def _modified_scores(
+    score_mod: mods.ScoreMod, scores2: torch.Tensor, batch: tuple[int, ...], i0: int, j0: int
+) -> torch.Tensor:
+    """``score_mod`` applied to a block of scores given in log2 units ``(..., H, bq, bk)``; natural units out."""
+    bq, bk = scores2.shape[-2:]
+    _, _, b, h, q_idx, kv_idx = mods.index_grids(batch, bq, bk, scores2.device, q_start=i0, kv_start=j0)
+    return score_mod(scores2 * _LN2, b, h, q_idx, kv_idx)
+
+
+def _mod_block(
+    mask_mod: mods.MaskMod, batch: tuple[int, ...], i0: int, i1: int, j0: int, j1: int, device: torch.device
+) -> torch.Tensor:
+    """``mask_mod`` on queries i0:i1 and keys j0:j1: bool, broadcastable to ``(..., H, i1 - i0, j1 - j0)``."""
+    _, _, b, h, q_idx, kv_idx = mods.index_grids(batch, i1 - i0, j1 - j0, device, q_start=i0, kv_start=j0)
+    return mask_mod(b, h, q_idx, kv_idx)
 
 
 def _bool_to_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -279,6 +524,18 @@ def _blocks(L: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, L)) for start in range(0, L, block)]
 
 
+def _key_blocks(kinds: list[list[int]] | None, qi: int, last: int, block_k: int) -> list[tuple[int, int, bool]]:
+    """``(j0, j1, partial)`` of the key blocks below ``last`` that query block ``qi`` computes.
+
+    Without a block mask, every block; with one, the blocks it does not mark
+    empty, ``partial`` telling whether the ``mask_mod`` must be evaluated.
+    """
+    if kinds is None:
+        return [(j0, j1, False) for j0, j1 in _blocks(last, block_k)]
+    return [(kj * block_k, min((kj + 1) * block_k, last), kind == _PARTIAL)
+            for kj, kind in enumerate(kinds[qi]) if kind != _EMPTY and kj * block_k < last]
+
+
 class _TiledAttention(torch.autograd.Function):
     """softmax(q k^T / log2(e) + mask) v over blocks, q pre-scaled by ``scale * log2 e``.
 
@@ -287,14 +544,15 @@ class _TiledAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, batch, block_q, block_k):  # type: ignore[override]
+    def forward(ctx, q, k, v, mask, is_causal, batch, block_q, block_k, mods_):  # type: ignore[override]
+        score_mod, mask_mod, kinds = mods_
         NK, G, L, E = q.shape
         S, Ev = v.shape[-2:]
         out = torch.empty(NK, G, L, Ev, dtype=q.dtype, device=q.device)
         lse = torch.empty(NK, G, L, 1, dtype=q.dtype, device=q.device)
         kT = k.transpose(1, 2)  # (NK, S, E) -> (NK, E, S), a view
         scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused by every block
-        for i0, i1 in _blocks(L, block_q):
+        for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
             bq = i1 - i0
             q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)  # (NK, G, bq, E) -> (NK, G*bq, E)
             m_i = torch.full((NK, G * bq, 1), _NEG_INF, dtype=q.dtype, device=q.device)  # running max
@@ -302,19 +560,22 @@ class _TiledAttention(torch.autograd.Function):
             acc = torch.zeros(NK, G * bq, Ev, dtype=q.dtype, device=q.device)  # running sum of exp * v
             lazy, neg_m = False, None  # lazy: every row has a finite m_i (then neg_m = -m_i)
             last = min(S, i1) if is_causal else S  # causal: keys j > i1 - 1 are masked for every row
-            for j0, j1 in _blocks(last, block_k):
+            for j0, j1, partial in _key_blocks(kinds, qi, last, block_k):
                 kT_blk, v_blk = kT[:, :, j0:j1], v[:, j0:j1]
+                # A block the mask_mod keeps whole never evaluates it (is_causal still masks the diagonal blocks).
+                keep = _mod_block(mask_mod, batch, i0, i1, j0, j1, q.device) if partial else None
                 if lazy:
                     # Lazy step: p = exp(s - m_i) against the old max, m_i subtracted inside the matmul;
                     # no max of this block, no rescaling. Kept unless the row sums exceed 2**_LAZY_GROWTH.
                     p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
-                                      offset=neg_m, out=scores).exp2_()
+                                      offset=neg_m, out=scores, score_mod=score_mod, keep=keep).exp2_()
                     l_blk = p.sum(dim=-1, keepdim=True)
                     if l_blk.max().item() <= 2.0**_LAZY_GROWTH:  # False on inf, and on NaN (max keeps NaN)
                         l_i += l_blk
                         acc.baddbmm_(p, v_blk)  # (NK, G*bq, bk) @ (NK, bk, Ev) -> (NK, G*bq, Ev)
                         continue
-                s = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1, out=scores)
+                s = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1, out=scores,
+                                  score_mod=score_mod, keep=keep)
                 # New running max over the old max and this block's scores.
                 m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
                 # A row with every score so far -inf keeps max -inf; shift it by 0 so exp gives 0, not NaN.
@@ -337,7 +598,7 @@ class _TiledAttention(torch.autograd.Function):
             lse[:, :, i0:i1] = (m_i + torch.log2(l_i)).view(NK, G, bq, 1)
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
-        ctx.options = (is_causal, batch, block_q, block_k)
+        ctx.options = (is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds)
         return out
 
     @staticmethod
@@ -345,7 +606,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, d_out):  # type: ignore[override]
         q, k, v, out, lse, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
-        is_causal, batch, block_q, block_k = ctx.options
+        is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds = ctx.options
         NK, G, L, E = q.shape
         S, Ev = v.shape[-2:]
         d_out = d_out.to(q.dtype)
@@ -362,18 +623,21 @@ class _TiledAttention(torch.autograd.Function):
         kT, vT = k.transpose(1, 2), v.transpose(1, 2)  # (NK, E, S), (NK, Ev, S): views
         scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused for P by every block
         d_scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused for dP and dS
-        for j0, j1 in _blocks(S, block_k):
+        for kj, (j0, j1) in enumerate(_blocks(S, block_k)):
             bk = j1 - j0
             k_blk, kT_blk, vT_blk = k[:, j0:j1], kT[:, :, j0:j1], vT[:, :, j0:j1]
             first = j0 if is_causal else 0  # causal: rows i < j0 see none of these keys
-            for i0, i1 in _blocks(L, block_q):
-                if i1 <= first:
+            for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
+                if i1 <= first or (kinds is not None and kinds[qi][kj] == _EMPTY):
                     continue
                 bq = i1 - i0
                 q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)
+                partial = kinds is not None and kinds[qi][kj] == _PARTIAL
+                keep = _mod_block(mask_mod, batch, i0, i1, j0, j1, q.device) if partial else None
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
                 p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
-                                  offset=neg_lse[:, :, i0:i1].reshape(NK, G * bq, 1), out=scores).exp2_()
+                                  offset=neg_lse[:, :, i0:i1].reshape(NK, G * bq, 1), out=scores,
+                                  score_mod=score_mod, keep=keep).exp2_()
                 do_blk = d_out[:, :, i0:i1].reshape(NK, G * bq, Ev)
                 # dV_j += P^T dO: (NK, bk, G*bq) @ (NK, G*bq, Ev) -> (NK, bk, Ev)
                 dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_blk)
@@ -382,12 +646,35 @@ class _TiledAttention(torch.autograd.Function):
                 dp.copy_(neg_delta[:, :, i0:i1].reshape(NK, G * bq, 1).expand_as(dp)).baddbmm_(do_blk, vT_blk)
                 # dS = P * (dP - D_i), the softmax backward, in place.
                 ds = dp.mul_(p)
-                # dQ_i += dS K_j: (NK, G*bq, bk) @ (NK, bk, E) -> (NK, G*bq, E)
-                dq[:, :, i0:i1] += torch.bmm(ds, k_blk).view(NK, G, bq, E)
-                # dK_j += dS^T Q_i: (NK, bk, G*bq) @ (NK, G*bq, E) -> (NK, bk, E), summed over the group
-                dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_blk)
                 if dmask is not None:  # the mask is added to the scores: its gradient is dS
                     target = _mask_block(dmask, i0, i1, j0, j1)
                     target += ds.view(*batch, bq, bk).sum_to_size(target.shape)
+                # Through the score_mod: dS_raw = dS * d score_mod / d raw score (its vector-Jacobian product).
+                ds_raw = ds if score_mod is None else _score_mod_vjp(score_mod, q_blk, kT_blk, ds, batch, i0, j0)
+                # dQ_i += dS K_j: (NK, G*bq, bk) @ (NK, bk, E) -> (NK, G*bq, E)
+                dq[:, :, i0:i1] += torch.bmm(ds_raw, k_blk).view(NK, G, bq, E)
+                # dK_j += dS^T Q_i: (NK, bk, G*bq) @ (NK, G*bq, E) -> (NK, bk, E), summed over the group
+                dk[:, j0:j1].baddbmm_(ds_raw.transpose(1, 2), q_blk)
         # The scores were log2(e) * q k^T: the chain rule gives dq and dk a factor ln 2 back.
-        return dq.mul_(_LN2), dk.mul_(_LN2), dv, dmask, None, None, None, None
+        return dq.mul_(_LN2), dk.mul_(_LN2), dv, dmask, None, None, None, None, None
+
+
+def _score_mod_vjp(
+    score_mod: mods.ScoreMod,
+    q_blk: torch.Tensor,
+    kT_blk: torch.Tensor,
+    ds: torch.Tensor,
+    batch: tuple[int, ...],
+    i0: int,
+    j0: int,
+) -> torch.Tensor:
+    """``ds`` (the gradient of the modified scores) carried back through ``score_mod`` to the raw scores."""
+    NK, GB, bk = ds.shape
+    raw2 = torch.bmm(q_blk, kT_blk)  # (NK, G*bq, E) @ (NK, E, bk) -> (NK, G*bq, bk), log2 units
+    view = raw2.view(*batch, -1, bk)  # -> (..., H, bq, bk)
+    with torch.enable_grad():
+        raw2 = view.detach().requires_grad_(True)
+        modified = _modified_scores(score_mod, raw2, batch, i0, j0)
+        (grad,) = torch.autograd.grad(modified, raw2, ds.view_as(raw2))
+    # d modified / d raw2 = d modified / d raw * ln 2; the caller's final factor ln 2 is for q k^T itself.
+    return (grad * _LOG2E).reshape(NK, GB, bk)

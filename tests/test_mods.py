@@ -506,20 +506,57 @@ def test_call_errors(kwargs, error, message, fn):
             attention_weights(q, k, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["tiled", "sdpa", "triton"])
+@pytest.mark.parametrize("given_mods", [dict(score_mod=mods.softcap(5.0)),
+                                        dict(score_mod=mods.softcap(5.0), mask_mod=mods.causal())])
+def test_sdpa_refuses_a_score_mod(given_mods):
+    q, k, v = _small()
+    with pytest.raises(ValueError, match=_msg("backend='sdpa' cannot run this call: torch's "
+                                              "scaled_dot_product_attention takes no score_mod")):
+        scaled_dot_product_attention(q, k, v, backend="sdpa", **given_mods)
+
+
+def test_sdpa_materialises_a_mask_mod():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn_like(t, dtype=torch.float64) for t in _small())
+    mask_mod = mods.sliding_window(1, 1)
+    for attn_mask in (None, torch.rand(k.shape[-2]) > 0.3, torch.randn(q.shape[-2], k.shape[-2])):
+        expected = scaled_dot_product_attention(q, k, v, attn_mask, mask_mod=mask_mod)
+        got = scaled_dot_product_attention(q, k, v, attn_mask, mask_mod=mask_mod, backend="sdpa")
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "given_mods,options",
+    [
+        (dict(mask_mod=mods.causal(3)), {"window": (None, 0), "window_offset": 3}),
+        (dict(mask_mod=mods.sliding_window(4, None, offset=-2)), {"window": (4, None), "window_offset": -2}),
+        (dict(score_mod=mods.softcap(5.0)), {"softcap": 5.0}),
+        (dict(score_mod=mods.softcap(2.0), mask_mod=mods.sliding_window(1, 2)),
+         {"window": (1, 2), "window_offset": 0, "softcap": 2.0}),
+    ],
+)
+def test_the_triton_kernel_takes_the_mods_it_implements(given_mods, options):
+    from attention_ref import backends
+
+    q, k, v = _small()
+    assert backends._triton_options(backends.Call(q, k, v, None, **given_mods)) == (options, None)
+
+
 @pytest.mark.parametrize(
     "given_mods,named",
     [
-        (dict(mask_mod=mods.causal()), "mask_mod"),
-        (dict(score_mod=mods.softcap(5.0)), "score_mod"),
-        (dict(score_mod=mods.softcap(5.0), mask_mod=mods.causal()), "score_mod and mask_mod"),
+        (dict(mask_mod=mods.chunked(2)), "mask mods mods.causal and mods.sliding_window"),
+        (dict(mask_mod=mods.and_masks(mods.causal(), mods.sliding_window(2))), "mask mods mods.causal"),
+        (dict(mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), "mask mods mods.causal"),
+        (dict(score_mod=mods.alibi(3)), "score mod mods.softcap"),
     ],
 )
-def test_other_backends_refuse_mods(backend, given_mods, named):
+def test_the_triton_kernel_refuses_other_mods(given_mods, named):
+    from attention_ref import backends
+
     q, k, v = _small()
-    with pytest.raises(ValueError, match=_msg(f"backend={backend!r} cannot run this call: it does not support {named}",
-                                              "the 'math' backend supports every mod")):
-        scaled_dot_product_attention(q, k, v, backend=backend, **given_mods)
+    options, reason = backends._triton_options(backends.Call(q, k, v, None, **given_mods))
+    assert reason is not None and named in reason and "use backend='math' or 'tiled'" in reason
 
 
 def test_multihead_forward_takes_the_mods():
