@@ -83,6 +83,8 @@ _LN2 = math.log(2.0)
 _LAZY_GROWTH = 32
 #: The kinds of a (query block, key block) pair in a `BlockMask`.
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
+#: With a block mask, neighbouring non-empty key blocks are computed together, up to this many keys.
+_SPAN_KEYS = 512
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,8 +188,9 @@ def create_block_mask(
     mods.validate_sizes(mask_mod, B, H, L, S)
     nq, nk = -(-L // block_q), -(-S // block_k)
     kinds = torch.empty(nq, nk, dtype=torch.int8)
+    grids = _grids((B, H), L, S, device)
     for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
-        keep = _checked_strip(mask_mod, (B, H), i0, i1, S, device)  # broadcastable to (B, H, bq, S)
+        keep = _checked_strip(mask_mod, (B, H), grids, i0, i1, S)  # broadcastable to (B, H, bq, S)
         pad = nk * block_k - S  # the last key block may be short: pad it neutrally for each reduction
         flat = keep.expand(*keep.shape[:-1], S).reshape(-1, S)  # (..., bq, S') -> (rows, S)
         any_ = torch.nn.functional.pad(flat, (0, pad), value=False).view(-1, nk, block_k).any(dim=2).any(dim=0)
@@ -197,10 +200,10 @@ def create_block_mask(
 
 
 def _checked_strip(
-    mask_mod: mods.MaskMod, batch: tuple[int, ...], i0: int, i1: int, S: int, device: torch.device | str | None
+    mask_mod: mods.MaskMod, batch: tuple[int, ...], grids: tuple[torch.Tensor, ...], i0: int, i1: int, S: int
 ) -> torch.Tensor:
     """``mask_mod`` on query rows i0:i1 and every key, checked: bool, broadcastable to ``(*batch, bq, S)``."""
-    keep = _mod_block(mask_mod, batch, i0, i1, 0, S, device)
+    keep = _mod_block(mask_mod, grids, i0, i1, 0, S)
     target = (*batch, i1 - i0, S)
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
         got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
@@ -434,7 +437,8 @@ def _scores_block(
     offset: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     score_mod: mods.ScoreMod | None = None,
-    keep: torch.Tensor | None = None,
+    keep: list[tuple[int, torch.Tensor]] = (),  # type: ignore[assignment]
+    grids: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Masked scores (times log2 e) of query rows i0:i1 against keys j0:j1, plus ``offset``: ``(N * Hkv, G * bq, bk)``.
 
@@ -445,8 +449,9 @@ def _scores_block(
     product is added onto them (``baddbmm_``): one pass over the block fewer than
     adding them afterwards. ``out`` is a buffer with room for the largest block;
     the result is a contiguous view of its start. ``score_mod`` modifies the
-    scores first (then the product cannot be added onto the terms); ``keep`` is
-    the block of a ``mask_mod`` (bool, broadcastable to ``(..., H, bq, bk)``).
+    scores first (then the product cannot be added onto the terms); ``keep``
+    lists ``(first column, mask)`` pieces of a ``mask_mod`` (bool, each
+    broadcastable to ``(..., H, bq, its width)``) to apply to those columns.
     """
     NK, GB, _ = q_blk.shape
     bq, bk = i1 - i0, j1 - j0
@@ -462,41 +467,52 @@ def _scores_block(
         # A float mask is added to the scores (times log2 e, like them); a boolean one adds 0 or -inf.
         bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else m_blk.to(s.dtype) * _LOG2E
         terms.append((s.view(*batch, bq, bk), bias))  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
-    if keep is not None:
-        terms.append((s.view(*batch, bq, bk), _bool_to_bias(keep, s.dtype)))
+    for first, piece in keep:  # (..., H, bq, bk) -> the columns of the piece, a strided view
+        terms.append((s.view(*batch, bq, bk)[..., first:first + piece.shape[-1]], _bool_to_bias(piece, s.dtype)))
     if score_mod is not None:
         # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), then modified in natural units
         torch.bmm(q_blk, kT_blk, out=s)
         view = s.view(*batch, bq, bk)  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk)
-        view.copy_(_modified_scores(score_mod, view, batch, i0, j0)).mul_(_LOG2E)
+        view.copy_(_modified_scores(score_mod, view, grids, i0, j0)).mul_(_LOG2E)
         for view, term in terms:
             view.add_(term)
         return s
     # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), added onto the terms
     if not terms:
         return torch.bmm(q_blk, kT_blk, out=s)
+    terms.sort(key=lambda vt: vt[0].numel() != s.numel())  # a term over the whole block first
     (view, term), *rest = terms
-    view.copy_(term.expand_as(view))
+    if view.numel() == s.numel():
+        view.copy_(term.expand_as(view))
+    else:  # only pieces (some columns of a span): start from 0
+        s.zero_()
+        rest = terms
     for view, term in rest:
         view.add_(term)
     return s.baddbmm_(q_blk, kT_blk)
 
 
+def _grids(batch: tuple[int, ...], L: int, S: int, device: torch.device | str | None) -> tuple[torch.Tensor, ...]:
+    """``(b, h, q_idx, kv_idx)`` of the whole ``(*batch, L, S)`` scores, made once per call; blocks slice them."""
+    _, _, b, h, q_idx, kv_idx = mods.index_grids(batch, L, S, device)
+    return b, h, q_idx, kv_idx
+
+
 def _modified_scores(
-    score_mod: mods.ScoreMod, scores2: torch.Tensor, batch: tuple[int, ...], i0: int, j0: int
+    score_mod: mods.ScoreMod, scores2: torch.Tensor, grids: tuple[torch.Tensor, ...], i0: int, j0: int
 ) -> torch.Tensor:
     """``score_mod`` applied to a block of scores given in log2 units ``(..., H, bq, bk)``; natural units out."""
     bq, bk = scores2.shape[-2:]
-    _, _, b, h, q_idx, kv_idx = mods.index_grids(batch, bq, bk, scores2.device, q_start=i0, kv_start=j0)
-    return score_mod(scores2 * _LN2, b, h, q_idx, kv_idx)
+    b, h, q_idx, kv_idx = grids
+    return score_mod(scores2 * _LN2, b, h, q_idx[..., i0:i0 + bq, :], kv_idx[..., j0:j0 + bk])
 
 
 def _mod_block(
-    mask_mod: mods.MaskMod, batch: tuple[int, ...], i0: int, i1: int, j0: int, j1: int, device: torch.device
+    mask_mod: mods.MaskMod, grids: tuple[torch.Tensor, ...], i0: int, i1: int, j0: int, j1: int
 ) -> torch.Tensor:
     """``mask_mod`` on queries i0:i1 and keys j0:j1: bool, broadcastable to ``(..., H, i1 - i0, j1 - j0)``."""
-    _, _, b, h, q_idx, kv_idx = mods.index_grids(batch, i1 - i0, j1 - j0, device, q_start=i0, kv_start=j0)
-    return mask_mod(b, h, q_idx, kv_idx)
+    b, h, q_idx, kv_idx = grids
+    return mask_mod(b, h, q_idx[..., i0:i1, :], kv_idx[..., j0:j1])  # slices of the call's grids: views
 
 
 def _bool_to_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -524,16 +540,30 @@ def _blocks(L: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, L)) for start in range(0, L, block)]
 
 
-def _key_blocks(kinds: list[list[int]] | None, qi: int, last: int, block_k: int) -> list[tuple[int, int, bool]]:
-    """``(j0, j1, partial)`` of the key blocks below ``last`` that query block ``qi`` computes.
+def _key_spans(
+    kinds: list[list[int]] | None, qi: int, last: int, block_k: int, span: int
+) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """``(j0, j1, partial)``: the keys below ``last`` that query block ``qi`` computes, in spans.
 
-    Without a block mask, every block; with one, the blocks it does not mark
-    empty, ``partial`` telling whether the ``mask_mod`` must be evaluated.
+    Without a block mask, every block. With one, the blocks it does not mark
+    empty, neighbours merged into spans of at most ``span`` keys (fewer, larger
+    matrix products); ``partial`` lists the ``(j0, j1)`` of the span's partial
+    blocks, the only keys on which the ``mask_mod`` is evaluated.
     """
     if kinds is None:
-        return [(j0, j1, False) for j0, j1 in _blocks(last, block_k)]
-    return [(kj * block_k, min((kj + 1) * block_k, last), kind == _PARTIAL)
-            for kj, kind in enumerate(kinds[qi]) if kind != _EMPTY and kj * block_k < last]
+        return [(j0, j1, []) for j0, j1 in _blocks(last, block_k)]
+    spans: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for kj, kind in enumerate(kinds[qi]):
+        j0 = kj * block_k
+        if kind == _EMPTY or j0 >= last:
+            continue
+        j1 = min(j0 + block_k, last)
+        partial = [(j0, j1)] if kind == _PARTIAL else []
+        if spans and spans[-1][1] == j0 and j1 - spans[-1][0] <= span:
+            start, _, before = spans.pop()
+            j0, partial = start, before + partial
+        spans.append((j0, j1, partial))
+    return spans
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -551,7 +581,9 @@ class _TiledAttention(torch.autograd.Function):
         out = torch.empty(NK, G, L, Ev, dtype=q.dtype, device=q.device)
         lse = torch.empty(NK, G, L, 1, dtype=q.dtype, device=q.device)
         kT = k.transpose(1, 2)  # (NK, S, E) -> (NK, E, S), a view
-        scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused by every block
+        span = max(block_k, _SPAN_KEYS)  # a block mask's neighbouring key blocks are computed together
+        scores = _buffer(q, NK, G * min(block_q, L), min(span if kinds else block_k, S))  # reused by every block
+        grids = _grids(batch, L, S, q.device) if score_mod is not None or mask_mod is not None else ()
         for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
             bq = i1 - i0
             q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)  # (NK, G, bq, E) -> (NK, G*bq, E)
@@ -560,22 +592,23 @@ class _TiledAttention(torch.autograd.Function):
             acc = torch.zeros(NK, G * bq, Ev, dtype=q.dtype, device=q.device)  # running sum of exp * v
             lazy, neg_m = False, None  # lazy: every row has a finite m_i (then neg_m = -m_i)
             last = min(S, i1) if is_causal else S  # causal: keys j > i1 - 1 are masked for every row
-            for j0, j1, partial in _key_blocks(kinds, qi, last, block_k):
+            for j0, j1, partial in _key_spans(kinds, qi, last, block_k, span):
                 kT_blk, v_blk = kT[:, :, j0:j1], v[:, j0:j1]
-                # A block the mask_mod keeps whole never evaluates it (is_causal still masks the diagonal blocks).
-                keep = _mod_block(mask_mod, batch, i0, i1, j0, j1, q.device) if partial else None
+                # The mask_mod runs on the partial blocks only: a block it keeps whole never evaluates it
+                # (is_causal still masks the diagonal blocks).
+                keep = [(a - j0, _mod_block(mask_mod, grids, i0, i1, a, b)) for a, b in partial]
                 if lazy:
                     # Lazy step: p = exp(s - m_i) against the old max, m_i subtracted inside the matmul;
                     # no max of this block, no rescaling. Kept unless the row sums exceed 2**_LAZY_GROWTH.
                     p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
-                                      offset=neg_m, out=scores, score_mod=score_mod, keep=keep).exp2_()
+                                      offset=neg_m, out=scores, score_mod=score_mod, keep=keep, grids=grids).exp2_()
                     l_blk = p.sum(dim=-1, keepdim=True)
                     if l_blk.max().item() <= 2.0**_LAZY_GROWTH:  # False on inf, and on NaN (max keeps NaN)
                         l_i += l_blk
                         acc.baddbmm_(p, v_blk)  # (NK, G*bq, bk) @ (NK, bk, Ev) -> (NK, G*bq, Ev)
                         continue
                 s = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1, out=scores,
-                                  score_mod=score_mod, keep=keep)
+                                  score_mod=score_mod, keep=keep, grids=grids)
                 # New running max over the old max and this block's scores.
                 m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
                 # A row with every score so far -inf keeps max -inf; shift it by 0 so exp gives 0, not NaN.
@@ -598,7 +631,7 @@ class _TiledAttention(torch.autograd.Function):
             lse[:, :, i0:i1] = (m_i + torch.log2(l_i)).view(NK, G, bq, 1)
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
-        ctx.options = (is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds)
+        ctx.options = (is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, grids)
         return out
 
     @staticmethod
@@ -606,7 +639,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, d_out):  # type: ignore[override]
         q, k, v, out, lse, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
-        is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds = ctx.options
+        is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, grids = ctx.options
         NK, G, L, E = q.shape
         S, Ev = v.shape[-2:]
         d_out = d_out.to(q.dtype)
@@ -633,11 +666,11 @@ class _TiledAttention(torch.autograd.Function):
                 bq = i1 - i0
                 q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)
                 partial = kinds is not None and kinds[qi][kj] == _PARTIAL
-                keep = _mod_block(mask_mod, batch, i0, i1, j0, j1, q.device) if partial else None
+                keep = [(0, _mod_block(mask_mod, grids, i0, i1, j0, j1))] if partial else []
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
                 p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
                                   offset=neg_lse[:, :, i0:i1].reshape(NK, G * bq, 1), out=scores,
-                                  score_mod=score_mod, keep=keep).exp2_()
+                                  score_mod=score_mod, keep=keep, grids=grids).exp2_()
                 do_blk = d_out[:, :, i0:i1].reshape(NK, G * bq, Ev)
                 # dV_j += P^T dO: (NK, bk, G*bq) @ (NK, G*bq, Ev) -> (NK, bk, Ev)
                 dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_blk)
@@ -650,7 +683,7 @@ class _TiledAttention(torch.autograd.Function):
                     target = _mask_block(dmask, i0, i1, j0, j1)
                     target += ds.view(*batch, bq, bk).sum_to_size(target.shape)
                 # Through the score_mod: dS_raw = dS * d score_mod / d raw score (its vector-Jacobian product).
-                ds_raw = ds if score_mod is None else _score_mod_vjp(score_mod, q_blk, kT_blk, ds, batch, i0, j0)
+                ds_raw = ds if score_mod is None else _score_mod_vjp(score_mod, q_blk, kT_blk, ds, batch, grids, i0, j0)
                 # dQ_i += dS K_j: (NK, G*bq, bk) @ (NK, bk, E) -> (NK, G*bq, E)
                 dq[:, :, i0:i1] += torch.bmm(ds_raw, k_blk).view(NK, G, bq, E)
                 # dK_j += dS^T Q_i: (NK, bk, G*bq) @ (NK, G*bq, E) -> (NK, bk, E), summed over the group
@@ -665,6 +698,7 @@ def _score_mod_vjp(
     kT_blk: torch.Tensor,
     ds: torch.Tensor,
     batch: tuple[int, ...],
+    grids: tuple[torch.Tensor, ...],
     i0: int,
     j0: int,
 ) -> torch.Tensor:
@@ -674,7 +708,7 @@ def _score_mod_vjp(
     view = raw2.view(*batch, -1, bk)  # -> (..., H, bq, bk)
     with torch.enable_grad():
         raw2 = view.detach().requires_grad_(True)
-        modified = _modified_scores(score_mod, raw2, batch, i0, j0)
+        modified = _modified_scores(score_mod, raw2, grids, i0, j0)
         (grad,) = torch.autograd.grad(modified, raw2, ds.view_as(raw2))
     # d modified / d raw2 = d modified / d raw * ln 2; the caller's final factor ln 2 is for q k^T itself.
     return (grad * _LOG2E).reshape(NK, GB, bk)
