@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from attention_ref import complexity, diagrams, masks, positional, testing
+from attention_ref import complexity, conventions, diagrams, masks, mods, positional, testing, tiled
 from attention_ref.functional import attention_weights, scaled_dot_product_attention
 from attention_ref.masks import (
     causal_mask,
@@ -45,6 +45,7 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "complexity",
+    "conventions",
     "diagrams",
     "from_key_padding_mask",
     "masks",
@@ -54,6 +55,7 @@ __all__ = [
     "positional",
     "scaled_dot_product_attention",
     "testing",
+    "tiled",
     "to_additive",
     "viz",
 ]
