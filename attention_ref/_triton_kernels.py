@@ -11,6 +11,16 @@ Names follow the FlashAttention literature: ``m_i`` running row max, ``l_i`` run
 sum, ``acc`` unnormalised output accumulator. Scores are kept in base-2 units
 (``scale * log2(e) * q.k``) so that the exponentials are ``exp2``; the saved log-sum-exp
 ``lse`` is in the same units. Shape comments use ``BLOCK_*`` tile sizes.
+
+Compile-time options (``tl.constexpr``, so a launch without them runs none of their code):
+``IS_CAUSAL`` (key ``j`` takes part for query ``i`` when ``j <= i``), ``WINDOW_LEFT`` /
+``WINDOW_RIGHT`` (the two sides of a sliding window: ``j >= i + win_lo`` /
+``j <= i + win_hi``, with the runtime diagonals ``win_lo = offset - left`` and
+``win_hi = offset + right``), ``HAS_KPM`` (a key-padding mask) and ``HAS_SOFTCAP``
+(logit soft-capping: the base-2 score is ``qk_scale * tanh(tanh_scale * q.k)`` with
+``tanh_scale = scale / cap`` and ``qk_scale = cap * log2(e)``; without it it is
+``qk_scale * q.k`` with ``qk_scale = scale * log2(e)``). Masks (causal, window, padding)
+are applied after the soft-capping, as in the reference.
 """
 
 import os
@@ -57,11 +67,35 @@ def _load_2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.cons
 
 
 @triton.jit
+def _tanh(x):
+    # tanh(x) = sign(x) (1 - z) / (1 + z) with z = e^(-2|x|) = 2^(-2 log2(e) |x|) in (0, 1]:
+    # finite for every finite or infinite x, and exp2 is one instruction on a GPU
+    z = tl.math.exp2(-2.8853900817779268 * tl.abs(x))
+    t = (1.0 - z) / (1.0 + z)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _allowed(ok, i, j, win_lo, win_hi,
+             IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    # ok AND "query i sees key j" (i, j broadcasting index tiles): j <= i under
+    # is_causal, and i + win_lo <= j <= i + win_hi for the sides of the window
+    if IS_CAUSAL:
+        ok = ok & (i >= j)  # top-left aligned: j <= i
+    if WINDOW_LEFT:
+        ok = ok & (j >= i + win_lo)
+    if WINDOW_RIGHT:
+        ok = ok & (j <= i + win_hi)
+    return ok
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_base, v_base, kpm_base, stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, S, D, qk_scale,
-    IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, MASKED: tl.constexpr,
+    offs_m, offs_d, lo, hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Stream key/value blocks [lo, hi) through the online softmax of one query tile.
@@ -75,11 +109,14 @@ def _attn_fwd_inner(
         v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, d_ok,
                      MASKED, not EVEN_D)
         # (BLOCK_M, BLOCK_D) x (BLOCK_D, BLOCK_N) -> (BLOCK_M, BLOCK_N) scores, in base-2 units
-        s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, kT, input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            s = _tanh(qk * tanh_scale) * qk_scale  # cap * tanh(scale * q.k / cap), before any mask
+        else:
+            s = qk * qk_scale
         if MASKED:
-            ok = n_ok[None, :]
-            if IS_CAUSAL:
-                ok = ok & (offs_m[:, None] >= offs_n[None, :])  # top-left aligned: j <= i
+            ok = _allowed(n_ok[None, :], offs_m[:, None], offs_n[None, :], win_lo, win_hi,
+                          IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
             if HAS_KPM:
                 keep = tl.load(kpm_base + offs_n, mask=n_ok, other=0)
                 ok = ok & (keep[None, :] != 0)
@@ -113,8 +150,9 @@ def _attn_fwd(
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
-    stride_mb, stride_lb, stride_lh, L, S, D, qk_scale,
-    IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    stride_mb, stride_lb, stride_lh, L, S, D, qk_scale, tanh_scale, win_lo, win_hi,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -138,22 +176,44 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # unnormalised output
-    # Key blocks [0, full_hi) need no mask; [full_hi, hi) do; keys >= hi are skipped.
+    # Keys in [lo, hi) are visited, the others skipped; blocks in [full_lo, full_hi) are
+    # whole (every key exists) and seen by every row of the tile: no mask there.
     if IS_CAUSAL:
         hi = tl.minimum(S, (start_m + 1) * BLOCK_M)
         full_hi = tl.minimum(start_m * BLOCK_M, (S // BLOCK_N) * BLOCK_N)
     else:
         hi = S
         full_hi = (S // BLOCK_N) * BLOCK_N
+    lo = 0
+    full_lo = 0
+    if WINDOW_LEFT or WINDOW_RIGHT:
+        # The tile's rows first..last see the keys first + win_lo .. last + win_hi between them.
+        first = start_m * BLOCK_M
+        last = tl.minimum(first + BLOCK_M, L) - 1
+        if IS_CAUSAL:
+            hi = tl.minimum(hi, last + 1)  # (the causal bound above counts rows past L too)
+        if WINDOW_RIGHT:  # j <= i + win_hi: the last row reaches furthest right, the first least
+            hi = tl.minimum(hi, last + win_hi + 1)
+            full_hi = tl.minimum(full_hi, tl.maximum(first + win_hi + 1, 0) // BLOCK_N * BLOCK_N)
+        if WINDOW_LEFT:  # j >= i + win_lo: the first row reaches furthest left, the last least
+            lo = tl.maximum(first + win_lo, 0) // BLOCK_N * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(last + win_lo, 0), BLOCK_N) * BLOCK_N
+            hi = tl.where(first + win_lo < hi, hi, 0)  # lo is rounded down: no key seen, no block
+    if WINDOW_LEFT:  # masked blocks left of the unmasked ones
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn,
+            offs_m, offs_d, lo, tl.minimum(full_lo, hi), S, D, qk_scale, tanh_scale, win_lo, win_hi,
+            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N, EVEN_D, DOT_PRECISION,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn,
-        offs_m, offs_d, 0, full_hi, S, D, qk_scale,
-        IS_CAUSAL, HAS_KPM, False, BLOCK_N, EVEN_D, DOT_PRECISION,
+        offs_m, offs_d, full_lo, full_hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, False, BLOCK_N, EVEN_D, DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn,
-        offs_m, offs_d, full_hi, hi, S, D, qk_scale,
-        IS_CAUSAL, HAS_KPM, True, BLOCK_N, EVEN_D, DOT_PRECISION,
+        offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N, EVEN_D, DOT_PRECISION,
     )
     # Normalise; a row where no key took part (l_i = 0) gets output 0 and lse +inf.
     empty = l_i == 0.0
@@ -186,8 +246,9 @@ def _attn_bwd_preprocess(
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
-    offs_n, offs_d, lo, hi, L, D, qk_scale,
-    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    offs_n, offs_d, lo, hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M1: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Accumulate dk, dv of one key block over the query blocks [lo, hi).
@@ -209,16 +270,24 @@ def _attn_bwd_dkdv_inner(
             delta = tl.load(delta_base + offs_m)
         # P^T recomputed from the saved log-sum-exp:
         # (BLOCK_N1, BLOCK_D) x (BLOCK_D, BLOCK_M1) -> (BLOCK_N1, BLOCK_M1)
-        pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
-        if MASKED:
-            if IS_CAUSAL:
-                pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            tT = _tanh(qkT * tanh_scale)
+            pT = tl.math.exp2(tT * qk_scale - lse[None, :])
+        else:
+            pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+        if MASKED and (IS_CAUSAL or WINDOW_LEFT or WINDOW_RIGHT):
+            ok = _allowed(m_ok[None, :], offs_m[None, :], offs_n[:, None], win_lo, win_hi,
+                          IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+            pT = tl.where(ok, pT, 0.0)
         # dV += P^T dO: (BLOCK_N1, BLOCK_M1) x (BLOCK_M1, BLOCK_D)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         # dP^T = V dO^T: (BLOCK_N1, BLOCK_D) x (BLOCK_D, BLOCK_M1) -> (BLOCK_N1, BLOCK_M1)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         # dS^T = P^T * (dP^T - delta): the softmax backward, row by row
         dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # d tanh(x) / dx = 1 - tanh(x)^2
         # dK += dS^T Q: (BLOCK_N1, BLOCK_M1) x (BLOCK_M1, BLOCK_D)  (times scale at the end)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -229,8 +298,9 @@ def _attn_bwd_dkdv(
     Q, K, V, KPM, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
-    stride_mb, stride_lb, stride_lh, L, S, D, sm_scale, qk_scale,
-    IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    stride_mb, stride_lb, stride_lh, L, S, D, sm_scale, qk_scale, tanh_scale, win_lo, win_hi,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -253,8 +323,9 @@ def _attn_bwd_dkdv(
     v = _load_2d(V + kv_offs, n_ok, d_ok, True, not EVEN_D)
     dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-    # Query blocks: [lo, mid) straddle the diagonal (causal) -> masked;
-    # [mid, full_hi) see every key of the block -> unmasked; [max(mid, full_hi), L) -> masked tail.
+    # Query rows in [lo, hi) are visited, the others skipped. Query blocks: [lo, mid) are
+    # masked (they straddle the diagonal or the window's right edge); [mid, full_hi) see
+    # every key of the block -> unmasked; [max(mid, full_hi), hi) -> masked tail.
     if IS_CAUSAL:
         lo = start_n  # queries i < start_n see none of these keys: skipped
         mid = start_n + BLOCK_N1
@@ -262,20 +333,31 @@ def _attn_bwd_dkdv(
         lo = 0
         mid = 0
     full_hi = (L // BLOCK_M1) * BLOCK_M1
+    hi = L
+    if WINDOW_LEFT or WINDOW_RIGHT:
+        # The block's keys start_n..last are seen by the rows start_n - win_hi .. last - win_lo.
+        last = tl.minimum(start_n + BLOCK_N1, S) - 1
+        if WINDOW_LEFT:  # i <= j - win_lo: the last key is seen furthest down, the first least
+            hi = tl.minimum(hi, last - win_lo + 1)
+            full_hi = tl.minimum(full_hi, tl.maximum(start_n - win_lo + 1, 0) // BLOCK_M1 * BLOCK_M1)
+        if WINDOW_RIGHT:  # i >= j - win_hi: the first key is seen furthest up, the last least
+            lo = tl.maximum(lo, tl.maximum(start_n - win_hi, 0) // BLOCK_M1 * BLOCK_M1)
+            mid = tl.maximum(mid, tl.cdiv(tl.maximum(last - win_hi, 0), BLOCK_M1) * BLOCK_M1)
+            hi = tl.where(start_n - win_hi < hi, hi, 0)  # lo is rounded down: no row sees, no block
     dk, dv = _attn_bwd_dkdv_inner(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
-        offs_n, offs_d, lo, tl.minimum(mid, L), L, D, qk_scale,
-        IS_CAUSAL, True, BLOCK_M1, EVEN_D, DOT_PRECISION,
+        offs_n, offs_d, lo, tl.minimum(mid, hi), L, D, qk_scale, tanh_scale, win_lo, win_hi,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION,
     )
     dk, dv = _attn_bwd_dkdv_inner(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
-        offs_n, offs_d, mid, full_hi, L, D, qk_scale,
-        IS_CAUSAL, False, BLOCK_M1, EVEN_D, DOT_PRECISION,
+        offs_n, offs_d, mid, full_hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, False, BLOCK_M1, EVEN_D, DOT_PRECISION,
     )
     dk, dv = _attn_bwd_dkdv_inner(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
-        offs_n, offs_d, tl.maximum(mid, full_hi), L, L, D, qk_scale,
-        IS_CAUSAL, True, BLOCK_M1, EVEN_D, DOT_PRECISION,
+        offs_n, offs_d, tl.maximum(mid, full_hi), hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION,
     )
     dk = dk * sm_scale
     if HAS_KPM:
@@ -292,8 +374,9 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _attn_bwd_dq_inner(
     dq, q, do, lse, delta, k_base, v_base, kpm_base, stride_kn,
-    offs_m, offs_d, lo, hi, S, D, qk_scale,
-    IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, MASKED: tl.constexpr,
+    offs_m, offs_d, lo, hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_N2: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Accumulate dq of one query block over the key blocks [lo, hi).
@@ -306,11 +389,15 @@ def _attn_bwd_dq_inner(
         kT = _load_2d(k_base + kv_offs, d_ok, n_ok, not EVEN_D, MASKED)
         vT = _load_2d(v_base + kv_offs, d_ok, n_ok, not EVEN_D, MASKED)
         # P: (BLOCK_M2, BLOCK_D) x (BLOCK_D, BLOCK_N2) -> (BLOCK_M2, BLOCK_N2)
-        p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
+        qk = tl.dot(q, kT, input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            t = _tanh(qk * tanh_scale)
+            p = tl.math.exp2(t * qk_scale - lse[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
-            ok = n_ok[None, :]
-            if IS_CAUSAL:
-                ok = ok & (offs_m[:, None] >= offs_n[None, :])
+            ok = _allowed(n_ok[None, :], offs_m[:, None], offs_n[None, :], win_lo, win_hi,
+                          IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
             if HAS_KPM:
                 keep = tl.load(kpm_base + offs_n, mask=n_ok, other=0)
                 ok = ok & (keep[None, :] != 0)
@@ -321,6 +408,8 @@ def _attn_bwd_dq_inner(
         # dP = dO V^T: (BLOCK_M2, BLOCK_D) x (BLOCK_D, BLOCK_N2) -> (BLOCK_M2, BLOCK_N2)
         dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)  # d tanh(x) / dx = 1 - tanh(x)^2
         # dQ += dS K: (BLOCK_M2, BLOCK_N2) x (BLOCK_N2, BLOCK_D)  (times scale at the end)
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)
     return dq
@@ -331,8 +420,9 @@ def _attn_bwd_dq(
     Q, K, V, KPM, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
-    stride_mb, stride_lb, stride_lh, L, S, D, sm_scale, qk_scale,
-    IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    stride_mb, stride_lb, stride_lh, L, S, D, sm_scale, qk_scale, tanh_scale, win_lo, win_hi,
+    IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -356,22 +446,43 @@ def _attn_bwd_dq(
     lse = tl.load(LSE + row, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
+    # The key blocks of the forward kernel: [lo, hi) visited, [full_lo, full_hi) unmasked.
     if IS_CAUSAL:
         hi = tl.minimum(S, (start_m + 1) * BLOCK_M2)
         full_hi = tl.minimum(start_m * BLOCK_M2, (S // BLOCK_N2) * BLOCK_N2)
     else:
         hi = S
         full_hi = (S // BLOCK_N2) * BLOCK_N2
+    lo = 0
+    full_lo = 0
+    if WINDOW_LEFT or WINDOW_RIGHT:
+        first = start_m * BLOCK_M2
+        last = tl.minimum(first + BLOCK_M2, L) - 1
+        if IS_CAUSAL:
+            hi = tl.minimum(hi, last + 1)
+        if WINDOW_RIGHT:
+            hi = tl.minimum(hi, last + win_hi + 1)
+            full_hi = tl.minimum(full_hi, tl.maximum(first + win_hi + 1, 0) // BLOCK_N2 * BLOCK_N2)
+        if WINDOW_LEFT:
+            lo = tl.maximum(first + win_lo, 0) // BLOCK_N2 * BLOCK_N2
+            full_lo = tl.cdiv(tl.maximum(last + win_lo, 0), BLOCK_N2) * BLOCK_N2
+            hi = tl.where(first + win_lo < hi, hi, 0)
     kpm_base = KPM + off_b * stride_mb
+    if WINDOW_LEFT:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn,
+            offs_m, offs_d, lo, tl.minimum(full_lo, hi), S, D, qk_scale, tanh_scale, win_lo, win_hi,
+            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N2, EVEN_D, DOT_PRECISION,
+        )
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn,
-        offs_m, offs_d, 0, full_hi, S, D, qk_scale,
-        IS_CAUSAL, HAS_KPM, False, BLOCK_N2, EVEN_D, DOT_PRECISION,
+        offs_m, offs_d, full_lo, full_hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, False, BLOCK_N2, EVEN_D, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn,
-        offs_m, offs_d, full_hi, hi, S, D, qk_scale,
-        IS_CAUSAL, HAS_KPM, True, BLOCK_N2, EVEN_D, DOT_PRECISION,
+        offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N2, EVEN_D, DOT_PRECISION,
     )
     dq = dq * sm_scale
     tl.store(DQ + q_offs, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])

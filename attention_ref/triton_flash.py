@@ -1,11 +1,13 @@
-r"""A FlashAttention kernel in Triton: forward and backward, with causal and key-padding masks.
+r"""A FlashAttention kernel in Triton: forward and backward, with causal, sliding-window and
+key-padding masks and logit soft-capping.
 
-``flash_attention(q, k, v, is_causal=..., scale=..., key_padding_mask=...)`` equals the
-reference (``backend="math"``)
+``flash_attention(q, k, v, is_causal=..., scale=..., key_padding_mask=..., window=(left, right),
+window_offset=..., softcap=...)`` equals the reference (``backend="math"``)
 
 ```python
 attention_ref.scaled_dot_product_attention(
-    q, k, v, attn_mask=key_padding_mask[:, None, None, :], is_causal=is_causal, scale=scale
+    q, k, v, attn_mask=key_padding_mask[:, None, None, :], is_causal=is_causal, scale=scale,
+    mask_mod=mods.sliding_window(left, right, offset=window_offset), score_mod=mods.softcap(softcap),
 )
 ```
 
@@ -33,10 +35,18 @@ partial block) mask keys ``j >= S`` and, under ``is_causal``, keys ``j > i``
 (top-left aligned: query ``i`` sees key ``j`` when ``j <= i``, also for ``L != S``).
 Blocks right of the diagonal are never visited (causal block skipping); causal
 programs start with the longest rows so the GPU is not left with a tail of heavy
-programs. The key-padding mask (``True`` = takes part, the opposite of
-``torch.nn.MultiheadAttention``) is loaded once per key block and sets masked
-scores to ``-inf`` (the dK/dV kernel instead zeroes the padded keys' rows at the end). A query row where no key takes part gets output 0, log-sum-exp
-``+inf`` and zero gradients, like the reference.
+programs. A sliding window (query ``i`` sees key ``j`` when
+``i + window_offset - left <= j <= i + window_offset + right``) bounds the key loop the
+same way on both sides: a query tile visits only the key blocks that one of its rows can
+see, and only the blocks on the window's two edges are masked; the backward kernels bound
+their loops alike (``docs/contributors/triton-kernel.md`` derives the bounds). Soft-capping
+replaces each scaled score ``s`` by ``cap * tanh(s / cap)`` before any mask (the backward
+multiplies ``dS`` by ``1 - tanh^2``). The window and the cap are compile-time options: a
+call without them runs none of their code. The key-padding mask (``True`` = takes part,
+the opposite of ``torch.nn.MultiheadAttention``) is loaded once per key block and sets
+masked scores to ``-inf`` (the dK/dV kernel instead zeroes the padded keys' rows at the
+end). A query row where no key takes part gets output 0, log-sum-exp ``+inf`` and zero
+gradients, like the reference.
 
 **Backward (FlashAttention-2).** Three launches: (1) ``delta_i = sum_d dO_id * O_id``;
 (2) one program per key block (``BLOCK_N1`` keys, grid ``(cdiv(S, BLOCK_N1), B, H)``)
@@ -85,6 +95,67 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Input dtypes the kernel accepts (bfloat16 is tested on CUDA only: the interpreter mishandles it)."""
 
 _LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels work in base 2
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What the kernels compute besides plain attention: masks and the score cap (validated).
+
+    The window is kept as the two diagonals ``win_lo <= j - i <= win_hi`` that bound it
+    (``None``: no bound on that side), as `_window_diagonals` fits them to the grid.
+    """
+
+    is_causal: bool
+    win_lo: int | None = None
+    win_hi: int | None = None
+    softcap: float | None = None
+
+    def kernel_args(self, scale: float) -> tuple[tuple[float, float, int, int], dict[str, bool]]:
+        """The runtime scalars ``(qk_scale, tanh_scale, win_lo, win_hi)`` and the compile-time flags."""
+        if self.softcap is None:
+            scalars = (scale * _LOG2_E, 1.0)  # base-2 score = qk_scale * q.k
+        else:  # base-2 score = qk_scale * tanh(tanh_scale * q.k) = log2(e) * cap * tanh(scale * q.k / cap)
+            scalars = (self.softcap * _LOG2_E, scale / self.softcap)
+        flags = {"IS_CAUSAL": self.is_causal, "WINDOW_LEFT": self.win_lo is not None,
+                 "WINDOW_RIGHT": self.win_hi is not None, "HAS_SOFTCAP": self.softcap is not None}
+        return (*scalars, self.win_lo or 0, self.win_hi or 0), flags
+
+
+def _window_diagonals(
+    window: tuple[int | None, int | None] | None, offset: int, is_causal: bool, L: int, S: int
+) -> tuple[int | None, int | None]:
+    """The window ``(left, right)`` at ``offset`` as diagonals ``win_lo <= j - i <= win_hi``.
+
+    On the ``L x S`` grid ``j - i`` runs from ``1 - L`` to ``S - 1`` (to ``0`` under
+    ``is_causal``). A side that every pair satisfies is dropped (``None``: its masks and
+    loop bounds are not compiled in); a band that no pair satisfies becomes
+    ``(S, None)`` (every row empty); so the diagonals fit in 32 bits whatever the offset.
+
+    Examples:
+        >>> _window_diagonals((2, 0), 0, False, 8, 8)  # i - 2 <= j <= i
+        (-2, 0)
+        >>> _window_diagonals((None, 1), 3, False, 8, 8)  # j <= i + 4, no left side
+        (None, 4)
+        >>> _window_diagonals((2, 1), 0, True, 8, 8)  # is_causal's j <= i is the tighter right side
+        (-2, None)
+        >>> _window_diagonals((100, 100), 0, False, 8, 8)  # wider than the grid: no window at all
+        (None, None)
+        >>> _window_diagonals((0, 0), 10**12, False, 8, 8)  # no query sees a key
+        (8, None)
+    """
+    if window is None:
+        return None, None
+    left, right = window
+    win_lo = None if left is None else offset - left
+    win_hi = None if right is None else offset + right
+    bottom, top = 1 - L, (min(S - 1, 0) if is_causal else S - 1)  # the range of j - i
+    if win_lo is not None and win_lo <= bottom:
+        win_lo = None
+    if win_hi is not None and win_hi >= top:
+        win_hi = None
+    if (bottom if win_lo is None else win_lo) > (top if win_hi is None else win_hi):
+        return S, None  # j - i >= S: no pair
+    return win_lo, win_hi
 
 
 # --------------------------------------------------------------------------------------
@@ -204,7 +275,7 @@ def _kernels_for(device: torch.device) -> ModuleType:
 def _load_kernels(interpret: bool) -> ModuleType:
     """A fresh copy of ``_triton_kernels.py`` whose kernels were defined in the current mode."""
     if interpret:
-        import triton.language.standard as standard
+        from triton.language import standard
 
         # Triton defines its own library functions (tl.sum, tl.max, ...) when it is first
         # imported; if that happened before TRITON_INTERPRET=1 was set, they are compiled-mode
@@ -296,7 +367,7 @@ def _forward(
     k: torch.Tensor,
     v: torch.Tensor,
     kpm: torch.Tensor | None,
-    is_causal: bool,
+    options: _Options,
     scale: float,
     config: _Config,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +377,7 @@ def _forward(
     o = torch.empty_like(q)  # contiguous, like q: o shares q's strides
     lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
     block_d = _head_dim_block(D)
+    scalars, flags = options.kernel_args(scale)
     with _launch_context(q.device):
         for bs, hs in _grid_chunks(B, H):
             qc, kc, vc, oc, lc = q[bs, hs], k[bs, hs], v[bs, hs], o[bs, hs], lse[bs, hs]
@@ -317,8 +389,7 @@ def _forward(
                 kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.stride(0), vc.stride(1), vc.stride(2),
                 kpm_c.stride(0) if kpm_c is not None else 0, lc.stride(0), lc.stride(1),
-                L, S, D, scale * _LOG2_E,
-                IS_CAUSAL=is_causal, HAS_KPM=kpm is not None,
+                L, S, D, *scalars, HAS_KPM=kpm is not None, **flags,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
                 EVEN_D=block_d == D, DOT_PRECISION=_dot_precision(q.dtype),
                 num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
@@ -335,7 +406,7 @@ def _backward(
     kpm: torch.Tensor | None,
     o: torch.Tensor,
     lse: torch.Tensor,
-    is_causal: bool,
+    options: _Options,
     scale: float,
     config: _Config,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -346,7 +417,8 @@ def _backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)  # (B, H, L) float32, same layout as lse
     block_d = _head_dim_block(D)
-    common = dict(IS_CAUSAL=is_causal, HAS_KPM=kpm is not None, BLOCK_D=block_d, EVEN_D=block_d == D,
+    scalars, flags = options.kernel_args(scale)
+    common = dict(**flags, HAS_KPM=kpm is not None, BLOCK_D=block_d, EVEN_D=block_d == D,
                   DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.bwd_num_warps,
                   num_stages=config.bwd_num_stages, enable_fp_fusion=True)
     with _launch_context(q.device):
@@ -366,12 +438,12 @@ def _backward(
             )
             kernels._attn_bwd_dkdv[(_cdiv(S, config.block_n1), nb, nh)](
                 qc, kc, vc, kpm_arg, doc, lc, deltac, dkc, dvc, *q_strides, *k_strides,
-                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, scale * _LOG2_E,
+                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, *scalars,
                 BLOCK_M1=config.block_m1, BLOCK_N1=config.block_n1, **common,
             )
             kernels._attn_bwd_dq[(_cdiv(L, config.block_m2), nb, nh)](
                 qc, kc, vc, kpm_arg, doc, lc, deltac, dqc, *q_strides, *k_strides,
-                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, scale * _LOG2_E,
+                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, *scalars,
                 BLOCK_M2=config.block_m2, BLOCK_N2=config.block_n2, **common,
             )
     return dq, dk, dv
@@ -397,11 +469,11 @@ class _FlashAttentionFunction(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         kpm: torch.Tensor | None,
-        is_causal: bool,
+        options: _Options,
         scale: float,
         config: _Config | None,
     ) -> torch.Tensor:
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.options, ctx.scale = options, scale
         if q.numel() == 0 or k.numel() == 0:
             # L = 0 (nothing to compute) or S = 0 (every row fully masked): output 0
             ctx.empty = True
@@ -410,7 +482,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
         ctx.empty = False
         kernels = _kernels_for(q.device)
         config = config or _config_for(kernels, q.shape[-1], q.dtype)
-        o, lse = _forward(kernels, q, k, v, kpm, is_causal, scale, config)
+        o, lse = _forward(kernels, q, k, v, kpm, options, scale, config)
         ctx.kernels, ctx.config = kernels, config
         ctx.save_for_backward(q, k, v, kpm, o, lse)
         return o
@@ -421,9 +493,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
             q_shape, k_shape, v_shape = ctx.shapes
             return do.new_zeros(q_shape), do.new_zeros(k_shape), do.new_zeros(v_shape), None, None, None, None
         q, k, v, kpm, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.kernels, do, q, k, v, kpm, o, lse, ctx.is_causal, ctx.scale, ctx.config)
+        dq, dk, dv = _backward(ctx.kernels, do, q, k, v, kpm, o, lse, ctx.options, ctx.scale, ctx.config)
         return dq, dk, dv, None, None, None, None
-
 
 
 # --------------------------------------------------------------------------------------
@@ -490,6 +561,46 @@ def _validate(
     return q, k, v, mask
 
 
+_WINDOW_EXPECTED = "a (left, right) pair of ints >= 0 or None (unbounded), or None (no window)"
+
+
+def _validate_window(window: object, window_offset: object) -> tuple[int | None, int | None] | None:
+    if isinstance(window_offset, bool) or not isinstance(window_offset, int):
+        raise TypeError(f"window_offset must be an int, got {type(window_offset).__name__}")
+    if window is None:
+        if window_offset != 0:
+            raise ValueError(
+                f"window_offset={window_offset} needs a window: pass window=(left, right) too "
+                "(is_causal is always top-left aligned; a bottom-right causal mask is "
+                "window=(None, 0), window_offset=S - L)"
+            )
+        return None
+    if not isinstance(window, (tuple, list)):
+        raise TypeError(f"window must be {_WINDOW_EXPECTED}, got {type(window).__name__}")
+    if len(window) != 2:
+        raise ValueError(f"window must be {_WINDOW_EXPECTED}, got {len(window)} values: {tuple(window)}")
+    for index, (side, value) in enumerate(zip(("left", "right"), window)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"window[{index}] ({side}) must be a non-negative int or None (unbounded), got {type(value).__name__}"
+            )
+        if value < 0:
+            raise ValueError(f"window[{index}] ({side}) must be a non-negative int or None (unbounded), got {value}")
+    return window[0], window[1]
+
+
+def _validate_softcap(softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a positive finite float or None, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap}")
+    return float(softcap)
+
+
 def _apply(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -498,14 +609,21 @@ def _apply(
     scale: float | None,
     key_padding_mask: torch.Tensor | None,
     config: _Config | None,
+    window: tuple[int | None, int | None] | None = None,
+    window_offset: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     q, k, v, mask = _validate(q, k, v, is_causal, scale, key_padding_mask)
+    window = _validate_window(window, window_offset)
+    cap = _validate_softcap(softcap)
     if q.numel() and k.numel():
         _kernels_for(q.device)  # fail early with a clear message (no triton, wrong device)
     resolved = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    win_lo, win_hi = _window_diagonals(window, window_offset, is_causal, q.shape[2], k.shape[2])
+    options = _Options(is_causal, win_lo, win_hi, cap)
     kpm = None if mask is None else mask.contiguous().view(torch.uint8)  # (B, S), 1 = takes part
     fn = _FlashAttentionFunction
-    out = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), kpm, is_causal, resolved, config)
+    out = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), kpm, options, resolved, config)
     return out
 
 
@@ -517,18 +635,27 @@ def flash_attention(
     is_causal: bool = False,
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    window_offset: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     r"""Scaled dot-product attention by a Triton FlashAttention kernel (forward and backward).
 
-    Equal, up to rounding, to the reference
+    Equal, up to rounding, to the reference (``backend="math"``)
     ``attention_ref.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=is_causal,
-    scale=scale)`` (``backend="math"``) with ``attn_mask = key_padding_mask[:, None, None, :]``:
+    scale=scale, mask_mod=mods.sliding_window(left, right, offset=window_offset),
+    score_mod=mods.softcap(softcap))`` with ``attn_mask = key_padding_mask[:, None, None, :]``
+    and ``(left, right) = window`` (each part left out when its argument is ``None``):
 
     $$
-    \mathrm{out} = \mathrm{softmax}\!\left(\text{scale}\cdot q k^\top + M\right) v
+    \mathrm{out} = \mathrm{softmax}\!\left(c\,\tanh\!\left(\frac{\text{scale}\cdot q k^\top}{c}\right)
+        + M\right) v
     $$
 
-    computed tile by tile with an online softmax, never forming the ``L x S`` matrix.
+    with ``c = softcap`` (no ``tanh`` without it) and ``M`` 0 where the pair takes part,
+    ``-inf`` elsewhere, computed tile by tile with an online softmax, never forming the
+    ``L x S`` matrix. Key blocks that no query of a tile can see (causal, window) are
+    never loaded.
 
     Args:
         q: ``(B, H, L, D)`` queries, float16, bfloat16 or float32, ``16 <= D <= 128``
@@ -541,6 +668,18 @@ def flash_attention(
         scale: multiplies the scores; defaults to ``1 / sqrt(D)``.
         key_padding_mask: ``(B, S)`` bool, ``True`` = the key takes part (the opposite of
             ``torch.nn.MultiheadAttention``'s ``key_padding_mask``); combined with ``is_causal``.
+        window: ``(left, right)``, a sliding window: key ``j`` takes part for query ``i`` when
+            ``i + window_offset - left <= j <= i + window_offset + right`` (both ends
+            inclusive, ``left + 1 + right`` keys); ``None`` for a side leaves it unbounded,
+            ``None`` for ``window`` means no window. ``(None, 0)`` is a causal mask at
+            ``window_offset`` (`attention_ref.mods.causal`). Combined (AND) with
+            ``is_causal`` and ``key_padding_mask``.
+        window_offset: query ``i`` sits at key position ``i + window_offset``: ``0`` aligns
+            the window top-left, ``S - L`` bottom-right (decoding after ``S - L`` cached
+            keys). Only with a ``window``.
+        softcap: logit soft-capping (Gemma 2): each scaled score ``s`` becomes
+            ``softcap * tanh(s / softcap)`` before any mask; a positive finite float, or
+            ``None`` for none.
 
     Returns:
         ``(B, H, L, D)`` in ``q``'s dtype (softmax and accumulation in float32). A query
@@ -548,9 +687,13 @@ def flash_attention(
 
     Raises:
         TypeError: non-tensor inputs, a dtype other than float16/bfloat16/float32,
-            mismatched dtypes, a non-bool mask, a non-bool ``is_causal``.
+            mismatched dtypes, a non-bool mask, a non-bool ``is_causal``, a ``window``
+            that is not a pair of ints or None, a non-int ``window_offset``, a
+            non-number ``softcap``.
         ValueError: shapes that do not fit, ``D`` outside ``[16, 128]``, a bad scale,
-            tensors on different devices.
+            tensors on different devices, a negative window side, a ``window`` of other
+            than 2 values, a ``window_offset`` without a window, a ``softcap`` that is
+            not positive and finite.
         ImportError: triton is not installed.
         RuntimeError: tensors on the CPU without ``TRITON_INTERPRET=1``, or on a device
             Triton cannot run on.
@@ -562,8 +705,11 @@ def flash_attention(
         >>> out = flash_attention(q, k, v, is_causal=True) if is_available(q.device) else q
         >>> out.shape
         torch.Size([1, 2, 8, 16])
+        >>> local = flash_attention(q, k, v, window=(3, 0), softcap=30.0) if is_available(q.device) else q
+        >>> local.shape  # query i sees keys i - 3 .. i, scores capped to (-30, 30)
+        torch.Size([1, 2, 8, 16])
     """
-    return _apply(q, k, v, is_causal, scale, key_padding_mask, None)
+    return _apply(q, k, v, is_causal, scale, key_padding_mask, None, window, window_offset, softcap)
 
 
 def kernel_source(name: str) -> str:

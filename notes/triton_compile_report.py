@@ -9,7 +9,8 @@ holds. Spills and a missing wgmma are the first things to fix before timing on a
     python notes/triton_compile_report.py 64,float16,causal,kpm 128,bfloat16
     python notes/triton_compile_report.py 128,bfloat16,causal --config 128,64,8,3,32,64,64,32,8,2
 
-A case is ``D,dtype[,causal][,kpm]``; ``--config`` overrides the launch table with the ten
+A case is ``D,dtype[,causal][,kpm][,left][,right][,cap]`` (the last three: a sliding window
+bounded on that side, soft-capping); ``--config`` overrides the launch table with the ten
 fields of ``triton_flash._Config`` (block_m, block_n, num_warps, num_stages, block_m1,
 block_n1, block_m2, block_n2, bwd_num_warps, bwd_num_stages). The first compile of a
 variant takes 5-60 s on 2 CPU cores; Triton caches it afterwards.
@@ -53,20 +54,22 @@ def resources(kernel) -> str:
             f"mma.sync={len(re.findall(r'mma[.]sync', ptx))}")
 
 
-def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config | None) -> None:
+def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config | None,
+           left: bool = False, right: bool = False, cap: bool = False) -> None:
     kernels = tf._load_kernels(False)
     block_d = tf._head_dim_block(D)
     cfg = cfg or tf._gpu_config(block_d, dtype)
     target = GPUTarget("cuda", 90, 32)
     P = f"*{TYPES[dtype]}"
-    common = dict(IS_CAUSAL=causal, HAS_KPM=kpm, BLOCK_D=block_d, EVEN_D=block_d == D,
-                  DOT_PRECISION=tf._dot_precision(dtype))
+    common = dict(IS_CAUSAL=causal, WINDOW_LEFT=left, WINDOW_RIGHT=right, HAS_SOFTCAP=cap, HAS_KPM=kpm,
+                  BLOCK_D=block_d, EVEN_D=block_d == D, DOT_PRECISION=tf._dot_precision(dtype))
     strides = {n: "i32" for n in ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn")}
     tail = dict(stride_mb="i32", stride_lb="i32", stride_lh="i32", L="i32", S="i32", D="i32")
+    options = dict(qk_scale="fp32", tanh_scale="fp32", win_lo="i32", win_hi="i32")  # window and softcap
     fwd_sig = dict(Q=P, K=P, V=P, KPM="*u8", O=P, LSE="*fp32", **strides,
-                   stride_vb="i32", stride_vh="i32", stride_vn="i32", **tail, qk_scale="fp32")
+                   stride_vb="i32", stride_vh="i32", stride_vn="i32", **tail, **options)
     bwd_ptrs = dict(Q=P, K=P, V=P, KPM="*u8", DO=P, LSE="*fp32", DELTA="*fp32")
-    bwd_tail = dict(**strides, **tail, sm_scale="fp32", qk_scale="fp32")
+    bwd_tail = dict(**strides, **tail, sm_scale="fp32", **options)
     jobs = [
         ("forward", kernels._attn_fwd, fwd_sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
          cfg.num_warps, cfg.num_stages),
@@ -75,7 +78,8 @@ def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config 
         ("bwd dQ", kernels._attn_bwd_dq, dict(**bwd_ptrs, DQ=P, **bwd_tail),
          dict(BLOCK_M2=cfg.block_m2, BLOCK_N2=cfg.block_n2), cfg.bwd_num_warps, cfg.bwd_num_stages),
     ]
-    print(f"D={D} {TYPES[dtype]} causal={causal} kpm={kpm} {cfg}")
+    print(f"D={D} {TYPES[dtype]} causal={causal} kpm={kpm} window_left={left} window_right={right} "
+          f"softcap={cap} {cfg}")
     for name, fn, sig, blocks, warps, stages in jobs:
         constexprs = dict(common, **blocks)
         start = time.time()
@@ -94,7 +98,8 @@ def main() -> None:
     cfg = tf._Config(*map(int, args.config.split(","))) if args.config else None
     for case in args.cases:
         D, dtype, *flags = case.split(",")
-        report(int(D), getattr(torch, dtype), "causal" in flags, "kpm" in flags, cfg)
+        report(int(D), getattr(torch, dtype), "causal" in flags, "kpm" in flags, cfg,
+               "left" in flags, "right" in flags, "cap" in flags)
 
 
 if __name__ == "__main__":

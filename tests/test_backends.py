@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_ref import _inputs
-from attention_ref import MultiHeadAttention, backends, scaled_dot_product_attention
+from attention_ref import MultiHeadAttention, backends, mods, scaled_dot_product_attention
 from attention_ref.backends import CPU_TILED_MIN_LENGTH, select_backend
 
 RUNNABLE = ("math", "tiled", "sdpa", "auto")
@@ -405,6 +405,12 @@ ROUTING_CASES = {
     "3-D causal": (((2, 7, 16), (2, 13, 16), (2, 13, 16)), None, dict(is_causal=True)),
     "gqa + key padding (B, 1, 1, S)": (((1, 4, 7, 16), (1, 2, 13, 16), (1, 2, 13, 16)), (1, 1, 1, 13), dict(enable_gqa=True)),
     "per-head padding + empty rows": (((2, 2, 5, 16), (2, 2, 11, 16), (2, 2, 11, 16)), (2, 2, 1, 11), dict(is_causal=True, scale=0.3)),
+    # The mods the kernel implements, passed as mods and recognised by mods.describe:
+    "sliding window, bottom-right, softcap": (((2, 3, 7, 16), (2, 3, 13, 16), (2, 3, 13, 16)), None,
+                                              dict(mask_mod=mods.sliding_window(3, 1, offset=6),
+                                                   score_mod=mods.softcap(0.8))),
+    "gqa + causal mod + padding": (((1, 4, 9, 16), (1, 2, 9, 16), (1, 2, 9, 16)), (1, 1, 1, 9),
+                                   dict(enable_gqa=True, mask_mod=mods.causal(2))),
 }
 
 

@@ -18,20 +18,34 @@ interpreter runs each program as NumPy code) but chosen so that, with the interp
 16 x 16 tiles, they cover several query and key blocks, partial last blocks, L != S both
 ways, a padded head size (D = 24), causal block skipping, and fully masked rows. bfloat16
 runs only on CUDA: the interpreter mishandles it (../shared/TOOLCHAIN.md).
+
+The sliding window and soft-capping are held to the reference with
+``mask_mod=mods.sliding_window(left, right, offset)`` and ``score_mod=mods.softcap(cap)``,
+alone and combined with ``is_causal`` and key padding, at offsets 0 (top-left) and
+``S - L`` (bottom-right). That blocks outside the window are never *read* is shown by
+planting NaN in them (``nan="keys"`` / ``nan="queries"``): the keys and values, or the
+queries and output gradients, that sit in whole tiles no query's window reaches. A kernel
+that loaded such a tile would multiply the NaN into its matrix products (0 * NaN = NaN),
+so the output and gradients stay finite and equal to the reference only if it skips them.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import itertools
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import traceback
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,11 +82,23 @@ class Case:
     config: tuple[int, ...] | None = None  # a _Config other than the default table's
     max_grid: int | None = None  # split the (batch, head) grid into launches of this size
     gpu_only: bool = False  # too large for the interpreter
+    window: tuple[int | None, int | None] | None = None  # (left, right) of flash_attention
+    offset: int = 0  # window_offset
+    softcap: float | None = None
+    nan: str = "none"  # "keys" / "queries": NaN in the tiles that no query's window reaches
+    empty_rows: bool = False  # the window leaves some query rows without a key
 
     @property
     def id(self) -> str:
         parts = [self.dtype, f"B{self.B}H{self.H}L{self.L}S{self.S}D{self.D}",
                  "causal" if self.causal else "full", self.mask]
+        if self.window is not None:
+            parts.append("win{}x{}".format(*("inf" if side is None else side for side in self.window)))
+            parts.append(f"off{self.offset}")
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap}")
+        if self.nan != "none":
+            parts.append(f"nan-{self.nan}")
         if self.scale is not None:
             parts.append(f"scale{self.scale}")
         if self.layout != "bhld":
@@ -109,6 +135,48 @@ CASES = [
     Case(1, 2, 257, 1031, 80, "float16", True, "pad", gpu_only=True),
     Case(1, 2, 1031, 257, 64, "float32", True, "pad", gpu_only=True),
 ]
+
+SQUARE = (16, 16, 4, 1, 16, 16, 16, 16, 4, 1)  # the interpreter's tiles, also on a GPU
+OBLONG = (32, 16, 4, 1, 16, 32, 32, 16, 4, 1)  # block_m = 2 block_n, as the GPU table
+# Sliding window (left, right) at offset 0 and S - L, with is_causal, key padding, soft-capping.
+# Odd L != S both ways, so windows cross tile edges and partial last tiles.
+WINDOW_CASES = [
+    Case(1, 2, 33, 33, 16, "float32", False, window=(0, 0)),  # the diagonal only
+    Case(1, 2, 21, 37, 16, "float32", False, window=(0, 0), offset=16),
+    Case(2, 1, 21, 37, 16, "float32", True, "pad", window=(2, 0)),
+    Case(1, 2, 21, 37, 16, "float32", False, window=(2, 0), offset=16),
+    Case(2, 1, 37, 21, 16, "float32", False, "pad", window=(3, 1)),
+    # bottom-right with L > S: queries 0 .. 14 see no key (j <= i - 15 < 0): output 0
+    Case(1, 2, 37, 21, 16, "float32", True, window=(3, 1), offset=-16, empty_rows=True),
+    Case(2, 1, 33, 47, 24, "float32", True, "pad", window=(None, 2)),  # D padded to 32
+    Case(1, 2, 33, 47, 16, "float32", False, window=(None, 2), offset=14),
+    Case(2, 1, 47, 33, 32, "float32", False, "pad", window=(1, None)),
+    Case(1, 2, 47, 33, 16, "float32", True, window=(1, None), offset=-14),
+    Case(1, 2, 47, 33, 16, "float32", False, window=(16, 5), offset=-14, layout="blhd"),
+    # a window wider than the grid (no mask at all), one no query reaches (every row empty)
+    Case(1, 1, 21, 37, 16, "float32", True, "pad", window=(1000, 1000)),
+    Case(1, 1, 21, 37, 16, "float32", False, window=(0, 3), offset=-(10**10), empty_rows=True),
+    # soft-capping alone (a cap the scores exceed, and one that saturates tanh), with a window
+    Case(2, 1, 33, 21, 16, "float32", False, "pad", softcap=2.0),
+    Case(1, 2, 21, 33, 16, "float32", True, softcap=0.5, scale=3.0),
+    Case(2, 1, 37, 21, 16, "float32", True, "pad", window=(3, 1), offset=-16, softcap=1.5),
+    Case(1, 1, 40, 72, 16, "float32", False, "pad", config=OBLONG, window=(5, 3), offset=32),
+    Case(1, 1, 72, 40, 16, "float32", True, "pad", config=OBLONG, window=(7, 2), offset=-32,
+         empty_rows=True),
+    Case(1, 1, 72, 40, 16, "float32", False, "pad", config=OBLONG, window=(20, None), offset=-32, softcap=3.0),
+    Case(1, 2, 33, 33, 32, "float16", True, "pad", window=(2, 0)),
+    Case(2, 1, 21, 37, 16, "float16", False, window=(None, 2), offset=16, softcap=2.0),
+    # blocks no window reaches hold NaN: finite results prove they are never read
+    Case(1, 2, 20, 100, 16, "float32", False, config=SQUARE, window=(3, 2), offset=40, nan="keys"),
+    Case(1, 2, 100, 20, 16, "float32", False, "pad", config=OBLONG, window=(2, 3), offset=-40,
+         nan="queries", empty_rows=True),
+    Case(1, 1, 200, 100, 16, "float32", True, "pad", config=SQUARE, window=(10, None), offset=-50,
+         nan="queries", empty_rows=True),
+    Case(2, 2, 33, 17, 32, "bfloat16", True, "pad", window=(3, 1), offset=-16, softcap=5.0),
+    Case(2, 4, 1000, 1000, 128, "bfloat16", True, "pad", window=(255, 0), softcap=30.0, gpu_only=True),
+    Case(1, 2, 257, 1031, 64, "float16", False, window=(100, 20), offset=774, gpu_only=True),
+]
+CASES += WINDOW_CASES
 
 
 def _marks(case: Case) -> list[pytest.MarkDecorator]:
@@ -156,29 +224,78 @@ def make_inputs(case: Case, device: str, seed: int):
     return q, k, v, do, None if mask is None else mask.to(device)
 
 
+def allowed_pairs(case: Case, device: str) -> torch.Tensor:
+    """(L, S) bool: query i sees key j under is_causal and the window (padding aside)."""
+    from attention_ref import mods
+
+    allowed = torch.ones(case.L, case.S, dtype=torch.bool, device=device)
+    if case.causal:
+        allowed = allowed.tril()
+    if case.window is not None:
+        window_mod = mods.sliding_window(*case.window, offset=case.offset)
+        allowed = allowed & mods.create_mask(window_mod, None, None, case.L, case.S, device=device)[0, 0]
+    return allowed
+
+
+def plant_nan(case: Case, config, q, k, v, do) -> dict[str, int]:
+    """Set to NaN the keys/values (or queries/dO) in whole tiles that no query's window reaches.
+
+    A tile is counted with the largest block the kernels use along that axis, so no kernel
+    can have a reason to load it; returns how many keys and query rows were planted.
+    """
+    allowed = allowed_pairs(case, q.device.type)
+    planted = {"nan_keys": 0, "nan_queries": 0}
+    if case.nan == "keys":
+        block = max(config.block_n, config.block_n1, config.block_n2)
+        seen = allowed.any(0)  # (S,): some query sees key j
+        for start in range(0, case.S, block):
+            if not seen[start : start + block].any():
+                with torch.no_grad():
+                    k[:, :, start : start + block] = v[:, :, start : start + block] = float("nan")
+                planted["nan_keys"] += min(block, case.S - start)
+    elif case.nan == "queries":
+        block = max(config.block_m, config.block_m1, config.block_m2)
+        sees = allowed.any(1)  # (L,): query i sees some key
+        for start in range(0, case.L, block):
+            if not sees[start : start + block].any():
+                with torch.no_grad():
+                    q[:, :, start : start + block] = do[:, :, start : start + block] = float("nan")
+                planted["nan_queries"] += min(block, case.L - start)
+    return planted
+
+
 def run_case(case: Case, device: str) -> dict[str, object]:
     """Kernel vs float64 reference for one case: relative errors and exactness flags."""
-    from attention_ref import scaled_dot_product_attention
-    from attention_ref import triton_flash
+    from attention_ref import mods, scaled_dot_product_attention, triton_flash
 
     q, k, v, do, mask = make_inputs(case, device, seed=zlib.crc32(case.id.encode()))
+    if case.config is not None:
+        config = triton_flash._Config(*case.config)
+    else:
+        config = triton_flash._config_for(triton_flash._kernels_for(q.device), case.D, q.dtype)
+    # the reference sees the same inputs with 0 for NaN: what no window reaches has no influence
+    clean = [t.clone() for t in (q, k, v, do)]
+    planted = plant_nan(case, config, q, k, v, do)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    config = triton_flash._Config(*case.config) if case.config is not None else None
     max_grid = triton_flash._MAX_GRID_YZ
     if case.max_grid is not None:
         triton_flash._MAX_GRID_YZ = case.max_grid
     try:
-        out = triton_flash._apply(q, k, v, case.causal, case.scale, mask, config)
+        out = triton_flash._apply(q, k, v, case.causal, case.scale, mask, config,
+                                  case.window, case.offset, case.softcap)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     finally:
         triton_flash._MAX_GRID_YZ = max_grid
 
-    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_inputs = [t.double().requires_grad_() for t in clean[:3]]
     attn_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S)
-    ref = scaled_dot_product_attention(*ref_inputs, attn_mask, is_causal=case.causal, scale=case.scale)
-    refs = (ref, *torch.autograd.grad(ref, ref_inputs, do.double()))
+    mask_mod = None if case.window is None else mods.sliding_window(*case.window, offset=case.offset)
+    score_mod = None if case.softcap is None else mods.softcap(case.softcap)
+    ref = scaled_dot_product_attention(*ref_inputs, attn_mask, is_causal=case.causal, scale=case.scale,
+                                       mask_mod=mask_mod, score_mod=score_mod)
+    refs = (ref, *torch.autograd.grad(ref, ref_inputs, clean[3].double()))
 
-    result: dict[str, object] = {}
+    result: dict[str, object] = dict(planted)
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), refs):
         got64 = got.detach().double()
         # Inputs are N(0, 1), so gradient entries are typically 0.1 .. 1: floor the norm at
@@ -190,10 +307,7 @@ def run_case(case: Case, device: str) -> dict[str, object]:
         result[name + "_finite"] = bool(torch.isfinite(got64).all())
         result[name + "_dtype_ok"] = got.dtype == q.dtype and got.shape == want.shape
     # rows where no key takes part: output and dq exactly 0
-    allowed = torch.ones(case.L, case.S, dtype=torch.bool, device=device)
-    if case.causal:
-        allowed = torch.ones_like(allowed).tril()
-    allowed = allowed.expand(case.B, case.H, case.L, case.S)
+    allowed = allowed_pairs(case, device).expand(case.B, case.H, case.L, case.S)
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
     empty = ~allowed.any(-1)  # (B, H, L)
@@ -211,7 +325,7 @@ def worker(device: str) -> None:
             continue
         try:
             results[case.id] = run_case(case, device)
-        except Exception:  # report per case, keep going
+        except Exception:  # noqa: BLE001 - report per case, keep going
             results[case.id] = {"error": traceback.format_exc()}
     print("RESULTS-JSON " + json.dumps(results))
 
@@ -236,7 +350,7 @@ def results() -> dict[str, dict[str, object]]:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", device],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True, text=True, env=env, timeout=900, check=False,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS-JSON ")]
     if proc.returncode != 0 or not lines:
@@ -254,9 +368,23 @@ def test_matches_float64_reference(case: Case, results: dict[str, dict[str, obje
         assert result[name + "_dtype_ok"], f"{name} has the wrong dtype or shape"
         tol = out_tol if name == "out" else grad_tol
         assert result[name] <= tol, f"{name}: relative error {result[name]:.2e} > {tol:.0e}"
-    if case.mask == "pad" and (case.causal or case.B > 1):
+    if case.empty_rows or (case.mask == "pad" and (case.causal or case.B > 1)):
         assert result["empty_rows"] > 0  # the case really has fully masked rows
     assert result["empty_rows_zero"], "a fully masked row has a non-zero output or dq"
+
+
+NAN_CASES = [c for c in CASES if c.nan != "none"]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=_marks(c)) for c in NAN_CASES])
+def test_blocks_outside_every_window_are_never_read(case: Case, results: dict[str, dict[str, object]]) -> None:
+    # the NaN sit in whole tiles of the keys (forward, dQ: key loops; dK/dV: its programs) or
+    # of the queries (dK/dV: query loops); test_matches_float64_reference checks the values
+    result = results[case.id]
+    assert "error" not in result, result.get("error")
+    assert result[f"nan_{case.nan}"] >= 2 * 16, "the case plants too few NaN to prove anything"
+    for name in ("out", "dq", "dk", "dv"):
+        assert result[name + "_finite"], f"{name} has NaN: a tile outside every window was read"
 
 
 # ---- no kernel needed: validation, errors, availability -----------------------------------
@@ -296,6 +424,19 @@ def test_rejects_bad_tensors(change, error, match) -> None:
         ({"key_padding_mask": torch.ones(7, dtype=torch.bool)}, ValueError, r"\(B, S\) = \(1, 7\), got \(7,\)"),
         ({"is_causal": 1}, TypeError, "is_causal must be a bool, got int"),
         ({"scale": -1.0}, ValueError, "scale must be a positive finite float or None, got -1.0"),
+        ({"window": 3}, TypeError, r"window must be a \(left, right\) pair of ints >= 0 or None \(unbounded\), or None \(no window\), got int"),
+        ({"window": (1, 2, 3)}, ValueError, r"window must be a \(left, right\) pair .*, got 3 values: \(1, 2, 3\)"),
+        ({"window": (-1, 0)}, ValueError, r"window\[0\] \(left\) must be a non-negative int or None \(unbounded\), got -1"),
+        ({"window": (0, -2)}, ValueError, r"window\[1\] \(right\) must be a non-negative int or None \(unbounded\), got -2"),
+        ({"window": (0, 1.5)}, TypeError, r"window\[1\] \(right\) must be a non-negative int or None \(unbounded\), got float"),
+        ({"window": (True, 0)}, TypeError, r"window\[0\] \(left\) .* got bool"),
+        ({"window_offset": 2}, ValueError, r"window_offset=2 needs a window: pass window=\(left, right\) too"),
+        ({"window": (1, 0), "window_offset": 1.0}, TypeError, "window_offset must be an int, got float"),
+        ({"softcap": 0.0}, ValueError, "softcap must be a positive finite float or None, got 0.0"),
+        ({"softcap": -30}, ValueError, "softcap must be a positive finite float or None, got -30"),
+        ({"softcap": float("inf")}, ValueError, "softcap must be a positive finite float or None, got inf"),
+        ({"softcap": float("nan")}, ValueError, "softcap must be a positive finite float or None, got nan"),
+        ({"softcap": "30"}, TypeError, "softcap must be a positive finite float or None, got str"),
     ],
 )
 def test_rejects_bad_options(kwargs, error, match) -> None:
@@ -347,9 +488,9 @@ def test_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_empty_lengths_give_zeros_without_a_kernel() -> None:
     from attention_ref.triton_flash import flash_attention
 
-    for L, S in ((0, 7), (5, 0)):
+    for L, S, options in ((0, 7, {}), (5, 0, {}), (5, 0, {"window": (1, 0), "window_offset": 2, "softcap": 5.0})):
         q, k, v = (t.requires_grad_() for t in _qkv(L=L, S=S))
-        out = flash_attention(q, k, v)  # no kernel launch, so no triton/device requirement
+        out = flash_attention(q, k, v, **options)  # no kernel launch, so no triton/device requirement
         assert out.shape == (1, 2, L, 16) and not out.any()
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
@@ -365,6 +506,30 @@ def test_kernel_source_shows_the_kernels() -> None:
         kernel_source("nope")
 
 
+def test_window_becomes_two_clamped_diagonals() -> None:
+    from attention_ref.triton_flash import _Options, _window_diagonals
+
+    # key j takes part for query i when win_lo <= j - i <= win_hi
+    assert _window_diagonals((2, 1), 0, False, 5, 7) == (-2, 1)
+    assert _window_diagonals((2, 1), 7 - 5, False, 5, 7) == (0, 3)  # bottom-right
+    assert _window_diagonals((None, 0), 0, False, 5, 7) == (None, 0)  # mods.causal()
+    # a side every pair satisfies is dropped: j - i ranges over [-(L - 1), S - 1] = [-4, 6]
+    assert _window_diagonals((4, 6), 0, False, 5, 7) == (None, None)
+    assert _window_diagonals((3, 5), 0, False, 5, 7) == (-3, 5)
+    # ... and up to 0 under is_causal, whose mask then does the right side's work
+    assert _window_diagonals((3, 5), 0, True, 5, 7) == (-3, None)
+    assert _window_diagonals((3, 5), -6, True, 5, 7) == (None, -1)
+    # a band no pair satisfies: j - i >= S, every row empty (and 32-bit arguments)
+    assert _window_diagonals((0, 0), 10**12, False, 5, 7) == (7, None)
+    assert _window_diagonals((0, 0), -(10**12), False, 5, 7) == (7, None)
+    assert _window_diagonals((0, 3), 1, True, 5, 7) == (7, None)  # i + 1 <= j <= i
+    scalars, flags = _Options(True, -2, None, 30.0).kernel_args(0.25)
+    assert flags == {"IS_CAUSAL": True, "WINDOW_LEFT": True, "WINDOW_RIGHT": False, "HAS_SOFTCAP": True}
+    assert scalars == pytest.approx((30.0 * 1.4426950408889634, 0.25 / 30.0, -2, 0))
+    scalars, flags = _Options(False).kernel_args(0.25)
+    assert not any(flags.values()) and scalars == pytest.approx((0.25 * 1.4426950408889634, 1.0, 0, 0))
+
+
 def test_config_constraints() -> None:
     from attention_ref.triton_flash import _Config, _gpu_config
 
@@ -376,6 +541,124 @@ def test_config_constraints() -> None:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             assert isinstance(_gpu_config(block_d, dtype), _Config)
 
+
+# ---- the loop bounds, evaluated from the kernels' own lines (no triton needed) ----------------
+
+_BOUND_NAMES = {"lo", "hi", "mid", "full_lo", "full_hi", "first", "last"}
+_FAKE_TL = SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b),
+                           where=lambda cond, a, b: a if cond else b)
+
+
+def _compile_loops(kernel: str, inner: str):
+    """The bound lines of ``kernel`` and its calls of ``inner``, as code to run in plain Python.
+
+    Returns ``run(scope) -> [(lo, hi, masked), ...]``: the key (or query) ranges the kernel
+    hands its inner loop, computed by the kernel's own statements with ``tl.minimum`` etc.
+    replaced by Python's ``min`` etc.
+    """
+    from attention_ref.triton_flash import kernel_source
+
+    params = [a.arg for a in ast.parse(kernel_source(inner)).body[0].args.args]
+    picks = [params.index(name) for name in ("lo", "hi", "MASKED")]
+
+    def expr(node):
+        return compile(ast.Expression(node), kernel, "eval")
+
+    def plan(stmts):
+        steps = []
+        for stmt in stmts:
+            calls = [n for n in ast.walk(stmt) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == inner]
+            if isinstance(stmt, ast.If) and calls:
+                steps.append(("if", expr(stmt.test), plan(stmt.body), plan(stmt.orelse)))
+            elif calls:
+                steps.append(("call", [expr(calls[0].args[i]) for i in picks]))
+            elif any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in _BOUND_NAMES
+                     for n in ast.walk(stmt)):
+                steps.append(("exec", compile(ast.Module([stmt], []), kernel, "exec")))
+        return steps
+
+    steps = plan(ast.parse(kernel_source(kernel)).body[0].body)
+
+    def run(scope, steps=steps, out=None):
+        out = [] if out is None else out
+        for step in steps:
+            if step[0] == "exec":
+                exec(step[1], scope)  # noqa: S102 - the kernel's own bound lines, read from its source
+            elif step[0] == "call":
+                out.append(tuple(eval(code, scope) for code in step[1]))
+            else:
+                run(scope, step[2] if eval(step[1], scope) else step[3], out)
+        return out
+
+    return run
+
+
+def _blocks(ranges, step):
+    """{block start: masked} of the inner-loop calls; no position may be visited twice."""
+    blocks = {}
+    for lo, hi, masked in ranges:
+        for start in range(lo, hi, step):
+            assert start >= 0 and all(abs(start - s) >= step for s in blocks), "a block visited twice"
+            blocks[start] = masked
+    return blocks
+
+
+def _check_tile(allowed, blocks, step, length, exact):
+    # allowed: (positions of this tile, all positions along the loop axis), numpy bool
+    covered = np.zeros(allowed.shape[1], dtype=bool)
+    for start, masked in blocks.items():
+        block = allowed[:, start : start + step]
+        covered[start : start + step] = True
+        if not masked:
+            assert start + step <= length and block.all(), f"block {start} runs without a mask but needs one"
+        if exact:
+            assert block.any(), f"block {start} is visited but no pair in it takes part"
+    assert not (allowed & ~covered).any(), "a pair that takes part is in no visited block"
+
+
+def _bound_cases(seed: int, count: int):
+    """(L, S, window, offset, is_causal): the windows of the float64 cases, then random ones."""
+    for window in ((0, 0), (2, 0), (3, 1), (None, 2), (1, None), None):
+        for L, S in ((37, 53), (53, 37)):
+            for offset, causal in itertools.product((0, S - L) if window else (0,), (False, True)):
+                yield L, S, window, offset, causal
+    rng = random.Random(seed)
+    for _ in range(count):
+        L, S = rng.randint(1, 160), rng.randint(1, 160)
+        window = tuple(None if rng.random() < 0.2 else rng.choice((rng.randint(0, 4), rng.randint(0, 80)))
+                       for _ in "lr")
+        offset = rng.choice((0, S - L, rng.randint(-L - 9, S + 9), rng.randint(-L - 9, S + 9), rng.choice((-1, 1)) * 10**9))
+        yield L, S, window, offset, rng.random() < 0.5
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "block_n1", "block_m1"), [(16, 16, 16, 16), (32, 16, 32, 16), (128, 64, 64, 32)])
+def test_loop_bounds_visit_exactly_the_blocks_a_window_reaches(block_m, block_n, block_n1, block_m1) -> None:
+    # The kernels' own bound lines, for each query tile (forward, dQ) and key block (dK/dV):
+    # every pair that takes part lies in a visited block, a block run without a mask holds only
+    # pairs that take part, and, with a window, no visited block is empty: what lies outside
+    # the window is never loaded. (Causal without a window keeps its whole-tile bound: the last
+    # query tile may visit a block past the last query's diagonal.)
+    from attention_ref import mods
+    from attention_ref.triton_flash import _cdiv, _window_diagonals
+
+    loops = {name: _compile_loops(f"_attn_{name}", f"_attn_{name}_inner") for name in ("fwd", "bwd_dq", "bwd_dkdv")}
+    for L, S, window, offset, causal in _bound_cases(seed=block_m + block_n1, count=400):
+        win_lo, win_hi = _window_diagonals(window, offset, causal, L, S)
+        scope = {"tl": _FAKE_TL, "L": L, "S": S, "IS_CAUSAL": causal, "WINDOW_LEFT": win_lo is not None,
+                 "WINDOW_RIGHT": win_hi is not None, "win_lo": win_lo or 0, "win_hi": win_hi or 0}
+        exact = win_lo is not None or win_hi is not None
+        allowed = np.tril(np.ones((L, S), dtype=bool)) if causal else np.ones((L, S), dtype=bool)
+        if window is not None:
+            allowed &= mods.create_mask(mods.sliding_window(*window, offset=offset), None, None, L, S)[0, 0].numpy()
+        for name, blocks in (("fwd", ("BLOCK_M", "BLOCK_N")), ("bwd_dq", ("BLOCK_M2", "BLOCK_N2"))):
+            for start_m in range(_cdiv(L, block_m)):
+                ranges = loops[name](dict(scope, start_m=start_m, **dict(zip(blocks, (block_m, block_n)))))
+                rows = allowed[start_m * block_m : (start_m + 1) * block_m]
+                _check_tile(rows, _blocks(ranges, block_n), block_n, S, exact)
+        for start_n in range(0, S, block_n1):
+            ranges = loops["bwd_dkdv"](dict(scope, start_n=start_n, BLOCK_N1=block_n1, BLOCK_M1=block_m1))
+            keys = allowed[:, start_n : start_n + block_n1].T
+            _check_tile(keys, _blocks(ranges, block_m1), block_m1, L, exact)
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
