@@ -5,34 +5,47 @@ once, then hands clean tensors to one of these implementations. Each equals
 the reference (``"math"``) within floating-point tolerance, and the tests hold
 it to that on random shapes, masks and dtypes.
 
-| backend | what it is | weights | masks | dropout | devices |
-|---|---|---|---|---|---|
-| ``math`` | the reference: forms the ``(L, S)`` scores | yes | bool, float | yes | any |
-| ``tiled`` | `attention_ref.tiled`, online softmax | no | bool, float | no | any |
-| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no | bool, float | yes | any |
-| ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no | key padding (bool) | no | CUDA (or the interpreter) |
+| backend | what it is | weights | masks | mods | dropout | devices |
+|---|---|---|---|---|---|---|
+| ``math`` | the reference: forms the ``(L, S)`` scores | yes | bool, float | every ``score_mod`` and ``mask_mod`` | yes | any |
+| ``tiled`` | `attention_ref.tiled`, online softmax | no | bool, float | every mod; skips the blocks a ``mask_mod`` empties | no | any |
+| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no | bool, float | a ``mask_mod``, materialised as a boolean ``(..., L, S)`` mask; no ``score_mod`` | yes | any |
+| ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no | key padding (bool) | `mods.causal`, `mods.sliding_window`, `mods.softcap` (recognised by `mods.describe`) | no | CUDA (or the interpreter) |
 
 All of them support ``is_causal`` (top-left aligned, combined with
 ``attn_mask``), ``scale``, grouped-query heads (``enable_gqa``) and autograd,
 and give output 0 for a query row that no key may attend to.
 
-``"auto"`` is a fixed rule, checked in this order (see `select_backend`):
+``"auto"`` is a fixed rule, checked in this order (see `select_backend` and
+`auto_rule`):
 
 1. weights requested (``return_weights=True``) -> ``"math"``, the only path
    that forms them;
 2. CUDA tensors -> ``"triton"`` when the kernel has been verified on a GPU
    (``TRITON_VERIFIED_ON_GPU``), is installed and supports the call (no
-   dropout, a key-padding mask or none, ``E == Ev`` in 16..128,
-   float16/bfloat16/float32), otherwise ``"sdpa"``. In this release
+   dropout, a key-padding mask or none, mods it implements, ``E == Ev`` in
+   16..128, float16/bfloat16/float32). In this release
    ``TRITON_VERIFIED_ON_GPU`` is False: the kernel has only run under Triton's
-   interpreter, so ``"auto"`` uses torch's fused kernels on CUDA and the Triton
-   kernel runs only when asked for by name;
-3. CPU tensors, ``max(L, S) >= CPU_TILED_MIN_LENGTH``, an ``attn_mask`` that
+   interpreter, so ``"auto"`` never picks it and it runs only when asked for
+   by name;
+3. a ``score_mod`` or a ``mask_mod`` (measured on CPU with
+   ``benchmarks/block_sparse_bench.py``, see ``CPU_MODS_TILED_MIN_LENGTH``):
+   on CPU without dropout, ``"tiled"`` for a ``score_mod`` at ``max(L, S) >=
+   CPU_MODS_TILED_MIN_LENGTH``, and for a ``mask_mod`` alone when it empties at
+   least ``CPU_MODS_TILED_MIN_SKIPPED`` of the tiled path's blocks there
+   (``"auto"`` builds the `attention_ref.tiled.BlockMask` to know, and the tiled
+   path reuses it) or at ``max(L, S) >= CPU_TILED_MIN_LENGTH``, where a
+   materialised mask grows too large (rule 5's reason). Otherwise ``"math"``
+   with a ``score_mod``, ``"sdpa"`` (the mask materialised) with a ``mask_mod``
+   alone. On CUDA only the Triton kernel's mods leave this rule (rule 2): the
+   tiled path has not been measured on a GPU;
+4. CUDA tensors -> ``"sdpa"``;
+5. CPU tensors, ``max(L, S) >= CPU_TILED_MIN_LENGTH``, an ``attn_mask`` that
    varies over the queries (not a key-padding mask) and no dropout ->
    ``"tiled"``;
-4. otherwise -> ``"sdpa"``.
+6. otherwise -> ``"sdpa"``.
 
-Why rule 3 is so narrow (measured with ``benchmarks/attention_bench.py --preset
+Why rule 5 is so narrow (measured with ``benchmarks/attention_bench.py --preset
 cpu``, see the "GPU path" explanation page): torch's CPU SDPA is a flash kernel
 too, faster than the tiled path and as lean without a mask, so long sequences
 alone are no reason to leave it. But given a boolean ``attn_mask`` it first
@@ -77,11 +90,14 @@ CPU_TILED_MIN_LENGTH = 8192
 TILED_MODS_BLOCK_Q = 128
 TILED_MODS_BLOCK_K = 128
 
-#: ``"auto"`` with a ``mask_mod`` on CPU measures its block sparsity from this length
-#: (``max(L, S)``) on, and picks ``"tiled"`` when at least this fraction of blocks is
-#: empty; otherwise mods run on ``"math"``. Measured: ``benchmarks/block_sparse_bench.py``.
+#: ``"auto"`` with mods on CPU: from this length (``max(L, S)``) on, the tiled path takes a
+#: ``score_mod``, and a ``mask_mod`` that empties at least ``CPU_MODS_TILED_MIN_SKIPPED`` of
+#: its blocks. Measured with ``benchmarks/block_sparse_bench.py``: at L = 1024..4096 the tiled
+#: path beat SDPA with the materialised mask whenever 44% or more of the blocks were empty
+#: (causal, a window) and lost to it with none empty; with a score_mod it beat the math path
+#: 1.8-3.2x. At 512 the three were within 10% of each other.
 CPU_MODS_TILED_MIN_LENGTH = 1024
-CPU_MODS_TILED_MIN_SKIPPED = 0.5
+CPU_MODS_TILED_MIN_SKIPPED = 0.4
 
 #: Whether the Triton kernel's tests (``tests/test_triton_flash.py``, bfloat16 and large
 #: shapes included) and the GPU benchmark (Triton at least as fast as torch's flash backend)
@@ -207,8 +223,9 @@ def _auto(call: Call) -> str:
     ) is None
     length = max(query.shape[-2], key.shape[-2])
     skipped = None
-    if device == "cpu" and call.mask_mod is not None and not call.return_weights and length >= CPU_MODS_TILED_MIN_LENGTH:
-        # The block mask is needed to know the sparsity; made once here, the tiled path reuses it.
+    if (device == "cpu" and call.mask_mod is not None and call.score_mod is None and not call.return_weights
+            and call.dropout_p == 0 and CPU_MODS_TILED_MIN_LENGTH <= length < CPU_TILED_MIN_LENGTH):
+        # Only the block mask tells the sparsity; made once here, the tiled path reuses it.
         batch = _batch_shape(query, key, call.value, call.enable_gqa)
         call.block_mask = create_block_mask(call.mask_mod, *_mod_sizes(batch), query.shape[-2], key.shape[-2],
                                             block_q=TILED_MODS_BLOCK_Q, block_k=TILED_MODS_BLOCK_K,
@@ -221,7 +238,8 @@ def _auto(call: Call) -> str:
         dropout=call.dropout_p > 0,
         return_weights=call.return_weights,
         triton_supported=triton_ok,
-        mods=call.has_mods,
+        score_mod=call.score_mod is not None,
+        mask_mod=call.mask_mod is not None,
         fraction_skipped=skipped,
     )
 
@@ -234,7 +252,8 @@ def auto_rule(
     dropout: bool = False,
     return_weights: bool = False,
     triton_supported: bool = False,
-    mods: bool = False,
+    score_mod: bool = False,
+    mask_mod: bool = False,
     fraction_skipped: float | None = None,
 ) -> str:
     """The ``"auto"`` rule itself, as a function of the facts it looks at.
@@ -249,10 +268,12 @@ def auto_rule(
         triton_supported: the Triton kernel is verified on GPUs
             (``TRITON_VERIFIED_ON_GPU``), available on this device and supports
             the call (dtype, head size, mask kind, mods, no dropout).
-        mods: a ``score_mod`` or a ``mask_mod`` is given.
+        score_mod: a ``score_mod`` is given.
+        mask_mod: a ``mask_mod`` is given.
         fraction_skipped: the fraction of the tiled path's blocks that the
-            ``mask_mod`` empties (``None`` when not measured: no ``mask_mod``,
-            not on CPU, or shorter than ``CPU_MODS_TILED_MIN_LENGTH``).
+            ``mask_mod`` empties; measured only where the rule needs it (CPU, a
+            ``mask_mod`` alone, ``CPU_MODS_TILED_MIN_LENGTH <= length <
+            CPU_TILED_MIN_LENGTH``), else ``None``.
 
     Returns:
         The backend ``"auto"`` runs.
@@ -262,20 +283,25 @@ def auto_rule(
         'triton'
         >>> auto_rule(device_type="cpu", length=16384, query_dependent_mask=True)
         'tiled'
-        >>> auto_rule(device_type="cpu", length=8192, mods=True, fraction_skipped=0.9)
+        >>> auto_rule(device_type="cpu", length=4096, mask_mod=True, fraction_skipped=0.9)
         'tiled'
-        >>> auto_rule(device_type="cpu", length=512, mods=True)
+        >>> auto_rule(device_type="cpu", length=4096, mask_mod=True, fraction_skipped=0.0)
+        'sdpa'
+        >>> auto_rule(device_type="cpu", length=512, score_mod=True)
         'math'
     """
     if return_weights:
         return "math"  # 1. only the reference forms the weights
     if device_type == "cuda" and triton_supported:
         return "triton"  # 2. our kernel where it applies
-    if mods:
-        # 3. mods: the tiled path where it skips enough blocks (CPU, measured), else the reference
-        if not dropout and fraction_skipped is not None and fraction_skipped >= CPU_MODS_TILED_MIN_SKIPPED:
-            return "tiled"
-        return "math"
+    if score_mod or mask_mod:  # 3. mods
+        if device_type == "cpu" and not dropout:
+            if score_mod and length >= CPU_MODS_TILED_MIN_LENGTH:
+                return "tiled"  # 3a. torch's SDPA takes no score_mod; the tiled path beats the reference
+            if not score_mod and (length >= CPU_TILED_MIN_LENGTH or (
+                    length >= CPU_MODS_TILED_MIN_LENGTH and (fraction_skipped or 0.0) >= CPU_MODS_TILED_MIN_SKIPPED)):
+                return "tiled"  # 3b. enough empty blocks to skip, or a materialised mask too large
+        return "math" if score_mod else "sdpa"  # 3c. a mask_mod alone, materialised for torch's kernels
     if device_type == "cuda":
         return "sdpa"  # 4. torch's fused kernels
     if device_type == "cpu" and length >= CPU_TILED_MIN_LENGTH and query_dependent_mask and not dropout:

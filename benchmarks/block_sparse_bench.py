@@ -16,9 +16,10 @@ Two parts:
    forward and backward pass of the tiled path against the math path (the reference), and
    the fraction of blocks each block mask skips.
 2. The `"auto"` rule: for a few lengths, the forward time of the tiled path, the math path and
-   SDPA with the materialised mask, for a sparse mask (the same window) and a dense one
-   (causal, about half the blocks empty). `backends.CPU_MODS_TILED_MIN_LENGTH` and
-   `CPU_MODS_TILED_MIN_SKIPPED` are read off these figures.
+   SDPA with the materialised mask (not for a score_mod, which it cannot take), for a sparse
+   mask (the same window), causal (about half the blocks empty), a mask with no empty block,
+   and soft-capping with and without the window. The thresholds of rule 3 in
+   `attention_ref.backends` are read off these figures.
 
 Timing: each case is warmed up, then the cases of a group run in turns (round-robin), `--reps`
 times; the median of each is reported (these machines are shared: see the load in the JSON).
@@ -149,28 +150,42 @@ def headline(reps: int) -> dict:
     }
 
 
+def _no_empty_block(b, h, q_idx, kv_idx):
+    """A dense mask_mod: no block is empty, every block partial (the tiled path's worst case)."""
+    return (q_idx + kv_idx) % 7 != 0
+
+
+AUTO_CASES = {  # name: (mask_mod, score_mod)
+    "window": (mods.sliding_window(WINDOW_KEYS - 1), None),
+    "causal": (mods.causal(), None),
+    "no empty block": (_no_empty_block, None),
+    "window + softcap": (mods.sliding_window(WINDOW_KEYS - 1), mods.softcap(30.0)),
+    "softcap": (None, mods.softcap(30.0)),
+}
+
+
 def auto_rule(reps: int, lengths: list[int]) -> list[dict]:
     rows = []
     for L in lengths:
-        for name, mask_mod in (("window", mods.sliding_window(WINDOW_KEYS - 1)), ("causal", mods.causal())):
+        for name, (mask_mod, score_mod) in AUTO_CASES.items():
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))
-            bm = tiled.create_block_mask(mask_mod, None, None, L, L, block_q=backends.TILED_MODS_BLOCK_Q,
-                                         block_k=backends.TILED_MODS_BLOCK_K)
+            skipped = 0.0
+            if mask_mod is not None:
+                skipped = tiled.create_block_mask(mask_mod, None, None, L, L, block_q=backends.TILED_MODS_BLOCK_Q,
+                                                  block_k=backends.TILED_MODS_BLOCK_K).fraction_skipped
+            kw = {"mask_mod": mask_mod, "score_mod": score_mod}
+            cases = {backend: (lambda backend=backend: scaled_dot_product_attention(q, k, v, backend=backend, **kw))
+                     for backend in ("tiled", "math", "sdpa") if backend != "sdpa" or score_mod is None}
             with torch.no_grad():
-                r = _time({
-                    "tiled": lambda: scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, backend="tiled"),
-                    "math": lambda: scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, backend="math"),
-                    "sdpa_materialised": lambda: scaled_dot_product_attention(q, k, v, mask_mod=mask_mod,
-                                                                              backend="sdpa"),
-                }, reps)
+                r = _time(cases, reps)
             med = {n: x["median_s"] for n, x in r.items()}
-            chosen = backends.select_backend(q, k, v, backend="auto", mask_mod=mask_mod)
+            chosen = backends.select_backend(q, k, v, backend="auto", **kw)
             fastest = min(med, key=med.get)
-            rows.append({"L": L, "mask": name, "fraction_skipped": bm.fraction_skipped, "forward": r,
+            rows.append({"L": L, "case": name, "fraction_skipped": skipped, "forward": r,
                          "auto_picks": chosen, "fastest": fastest})
-            _say(f"  L={L:>5} {name:<7} skipped {bm.fraction_skipped:5.1%}  "
-                 + "  ".join(f"{n} {1e3 * m:8.1f} ms" for n, m in med.items())
+            _say(f"  L={L:>5} {name:<16} skipped {skipped:5.1%}  "
+                 + "  ".join(f"{n} {1e3 * m:7.1f} ms" for n, m in med.items())
                  + f"  auto -> {chosen}, fastest {fastest}")
     return rows
 

@@ -330,7 +330,7 @@ def test_auto_rule_on_cpu():
 def test_auto_rule_on_other_devices():
     meta = torch.empty(1, 2, CPU_TILED_MIN_LENGTH, 8, device="meta")
     dense = torch.ones(CPU_TILED_MIN_LENGTH, CPU_TILED_MIN_LENGTH, dtype=torch.bool, device="meta")
-    assert select_backend(meta, meta, meta, dense) == "sdpa"  # rule 3 is for CPU tensors only
+    assert select_backend(meta, meta, meta, dense) == "sdpa"  # rule 5 is for CPU tensors only
 
 
 def test_auto_with_weights_returns_the_maths_weights():
@@ -356,6 +356,11 @@ def test_auto_rule_on_cuda(monkeypatch):
         monkeypatch.setattr(backends, "_triton_available", lambda device: True)
         assert select_backend(q, q, q) == "triton"
         assert select_backend(q, q, q, pad, is_causal=True) == "triton"
+        # The mods the kernel implements go to it; others to torch's kernels (a mask_mod
+        # materialised) or the reference (a score_mod).
+        assert select_backend(q, q, q, mask_mod=mods.sliding_window(8), score_mod=mods.softcap(9.0)) == "triton"
+        assert select_backend(q, q, q, mask_mod=mods.chunked(8)) == "sdpa"
+        assert select_backend(q, q, q, score_mod=mods.alibi(8)) == "math"
         assert select_backend(q, q, q, return_weights=True) == "math"
         assert select_backend(q, q, q, dense) == "sdpa"  # not a key-padding mask
         assert select_backend(q, q, q, pad.to(q.dtype)) == "sdpa"  # float mask

@@ -269,9 +269,36 @@ def test_backend_tiled_takes_the_mods():
 def test_auto_picks_tiled_for_a_sparse_mask_mod_on_cpu():
     n = CPU_MODS_TILED_MIN_LENGTH
     q = torch.zeros(1, 1, n, 8)
-    assert select_backend(q, q, q, backend="auto", mask_mod=mods.sliding_window(64)) == "tiled"
-    assert select_backend(q, q, q, backend="auto", mask_mod=mods.causal()) == "math"  # about half the blocks
-    assert select_backend(q, q, q, backend="auto", score_mod=mods.softcap(5.0)) == "math"
+
+    def auto(t, **kw):
+        return select_backend(t, t, t, backend="auto", **kw)
+
+    assert auto(q, mask_mod=mods.sliding_window(64)) == "tiled"
+    assert auto(q, mask_mod=mods.causal()) == "tiled"  # 44% of the blocks empty at 1024 keys
+    assert auto(q, mask_mod=lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 7 != 0) == "sdpa"  # none empty
+    assert auto(q, score_mod=mods.softcap(5.0)) == "tiled"
+    assert auto(q, mask_mod=mods.sliding_window(64), dropout_p=0.1) == "sdpa"
+    assert auto(q, score_mod=mods.softcap(5.0), dropout_p=0.1) == "math"
     short = q[..., : n // 2, :]
-    assert select_backend(short, short, short, backend="auto", mask_mod=mods.sliding_window(4)) == "math"
-    assert select_backend(q, q, q, backend="auto", mask_mod=mods.sliding_window(64), return_weights=True) == "math"
+    assert auto(short, mask_mod=mods.sliding_window(4)) == "sdpa"
+    assert auto(short, score_mod=mods.softcap(5.0)) == "math"
+    assert auto(q, mask_mod=mods.sliding_window(64), return_weights=True) == "math"
+
+
+def test_auto_reuses_the_block_mask_it_measured(monkeypatch):
+    made = []
+    original = tiled.create_block_mask
+
+    def counting(*args, **kwargs):
+        made.append(args)
+        return original(*args, **kwargs)
+
+    from attention_ref import backends as backends_module
+
+    monkeypatch.setattr(backends_module, "create_block_mask", counting)
+    monkeypatch.setattr(tiled, "create_block_mask", counting)
+    n = CPU_MODS_TILED_MIN_LENGTH
+    q = torch.randn(1, 2, n, 8)
+    out = scaled_dot_product_attention(q, q, q, backend="auto", mask_mod=mods.sliding_window(16))
+    assert len(made) == 1  # made by "auto" to measure the sparsity, then reused by the tiled path
+    torch.testing.assert_close(out, scaled_dot_product_attention(q, q, q, mask_mod=mods.sliding_window(16)))
