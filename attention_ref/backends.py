@@ -92,10 +92,12 @@ TILED_MODS_BLOCK_K = 128
 
 #: ``"auto"`` with mods on CPU: from this length (``max(L, S)``) on, the tiled path takes a
 #: ``score_mod``, and a ``mask_mod`` that empties at least ``CPU_MODS_TILED_MIN_SKIPPED`` of
-#: its blocks. Measured with ``benchmarks/block_sparse_bench.py``: at L = 1024..4096 the tiled
+#: its blocks. Measured with ``benchmarks/block_sparse_bench.py``
+#: (``benchmarks/results/block-sparse/``, H=8, D=64, float32): at L = 1024..4096 the tiled
 #: path beat SDPA with the materialised mask whenever 44% or more of the blocks were empty
-#: (causal, a window) and lost to it with none empty; with a score_mod it beat the math path
-#: 1.8-3.2x. At 512 the three were within 10% of each other.
+#: (causal, a window; 1.1-4.6x) and lost to it with none empty (0.6-0.85x); with a score_mod
+#: it beat the math path 1.3-23x. At 512 keys SDPA was fastest for a mask_mod alone and the
+#: math path within 0.8-1.3x of the tiled path for a score_mod.
 CPU_MODS_TILED_MIN_LENGTH = 1024
 CPU_MODS_TILED_MIN_SKIPPED = 0.4
 
