@@ -187,18 +187,24 @@ def _attn_fwd(
     lo = 0
     full_lo = 0
     if WINDOW_LEFT or WINDOW_RIGHT:
-        # The tile's rows first..last see the keys first + win_lo .. last + win_hi between them.
+        # The tile's rows first..last see the keys first + win_lo .. last + win_hi
+        # between them.
         first = start_m * BLOCK_M
         last = tl.minimum(first + BLOCK_M, L) - 1
         if IS_CAUSAL:
-            hi = tl.minimum(hi, last + 1)  # (the causal bound above counts rows past L too)
-        if WINDOW_RIGHT:  # j <= i + win_hi: the last row reaches furthest right, the first least
+            # (the causal bound above counts rows past L too)
+            hi = tl.minimum(hi, last + 1)
+        # j <= i + win_hi: the last row reaches furthest right, the first least
+        if WINDOW_RIGHT:
             hi = tl.minimum(hi, last + win_hi + 1)
-            full_hi = tl.minimum(full_hi, tl.maximum(first + win_hi + 1, 0) // BLOCK_N * BLOCK_N)
-        if WINDOW_LEFT:  # j >= i + win_lo: the first row reaches furthest left, the last least
+            full_hi = tl.minimum(
+                full_hi, tl.maximum(first + win_hi + 1, 0) // BLOCK_N * BLOCK_N)
+        # j >= i + win_lo: the first row reaches furthest left, the last least
+        if WINDOW_LEFT:
             lo = tl.maximum(first + win_lo, 0) // BLOCK_N * BLOCK_N
             full_lo = tl.cdiv(tl.maximum(last + win_lo, 0), BLOCK_N) * BLOCK_N
-            hi = tl.where(first + win_lo < hi, hi, 0)  # lo is rounded down: no key seen, no block
+            # lo is rounded down: a tile that sees no key visits no block
+            hi = tl.where(first + win_lo < hi, hi, 0)
     if WINDOW_LEFT:  # masked blocks left of the unmasked ones
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn,
