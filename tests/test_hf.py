@@ -180,9 +180,9 @@ def test_register_errors():
 
 def test_minilm_layers_equal_eager():
     pytest.importorskip("safetensors")
-    from attention_ref.pretrained import _model_dir
+    from attention_ref.pretrained import model_dir
 
-    directory = _model_dir()
+    directory = model_dir()
     model = transformers.BertModel.from_pretrained(str(directory), attn_implementation="eager").eval()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
     batch = tokenizer(["The cat sat on the mat.", "Attention is all you need, they said."],

@@ -160,9 +160,9 @@ def test_missing_packages_give_an_install_hint():
 def test_matches_transformers_bert():
     """Hidden states and attention weights equal Hugging Face's BertModel (skipped without transformers)."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional parity check)")
-    from attention_ref.pretrained import _model_dir
+    from attention_ref.pretrained import model_dir
 
-    reference = transformers.BertModel.from_pretrained(str(_model_dir()), attn_implementation="eager").eval()
+    reference = transformers.BertModel.from_pretrained(str(model_dir()), attn_implementation="eager").eval()
     model = load_minilm()
     _, ids, mask = model.tokenize([SENTENCE, "Hi there."])
     with torch.no_grad():
