@@ -28,7 +28,7 @@ import importlib
 from typing import Any
 
 from attention_ref import complexity, conventions, diagrams, masks, mods, positional, testing, tiled
-from attention_ref.functional import attention_weights, scaled_dot_product_attention
+from attention_ref.functional import attention_weights, merge_attention, scaled_dot_product_attention
 from attention_ref.masks import (
     causal_mask,
     combine_masks,
@@ -49,6 +49,7 @@ __all__ = [
     "diagrams",
     "from_key_padding_mask",
     "masks",
+    "merge_attention",
     "mods",
     "padding_mask",
     "padding_mask_from_tokens",

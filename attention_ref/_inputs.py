@@ -28,6 +28,26 @@ def check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def check_merge(out_a: object, lse_a: object, out_b: object, lse_b: object) -> None:
+    """The arguments of `attention_ref.merge_attention`: two (output, lse) pairs of one shape."""
+    named = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if out_a.dim() < 1 or out_a.shape != out_b.shape:
+        raise ValueError(f"out_a and out_b must have one shape (..., L, Ev), got out_a {fmt_shape(out_a.shape)} "
+                         f"and out_b {fmt_shape(out_b.shape)}")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if lse.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name} must have shape {fmt_shape(out_a.shape[:-1])} (the outputs' (..., L)), "
+                             f"got {fmt_shape(lse.shape)}")
+    devices = {t.device for t in named.values()}
+    if len(devices) > 1:
+        raise ValueError(f"out_a, lse_a, out_b and lse_b must be on one device, got {sorted(map(str, devices))}")
+
+
 def kv_group(query: torch.Tensor, kv: torch.Tensor, name: str) -> int:
     """Check the heads of grouped-query attention; return how many query heads share a kv head."""
     if query.dim() < 3 or kv.dim() < 3:

@@ -5,12 +5,12 @@ once, then hands clean tensors to one of these implementations. Each equals
 the reference (``"math"``) within floating-point tolerance, and the tests hold
 it to that on random shapes, masks and dtypes.
 
-| backend | what it is | weights | masks | mods | dropout | devices |
+| backend | what it is | weights, lse | masks | mods | dropout | devices |
 |---|---|---|---|---|---|---|
-| ``math`` | the reference: forms the ``(L, S)`` scores | yes | bool, float | every ``score_mod`` and ``mask_mod`` | yes | any |
-| ``tiled`` | `attention_ref.tiled`, online softmax | no | bool, float | every mod; skips the blocks a ``mask_mod`` empties | no | any |
-| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no | bool, float | a ``mask_mod``, materialised as a boolean ``(..., L, S)`` mask; no ``score_mod`` | yes | any |
-| ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no | key padding (bool) | `mods.causal`, `mods.sliding_window`, `mods.softcap` (recognised by `mods.describe`) | no | CUDA (or the interpreter) |
+| ``math`` | the reference: forms the ``(L, S)`` scores | yes, yes | bool, float | every ``score_mod`` and ``mask_mod`` | yes | any |
+| ``tiled`` | `attention_ref.tiled`, online softmax | no, yes | bool, float | every mod; skips the blocks a ``mask_mod`` empties | no | any |
+| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no, no | bool, float | a ``mask_mod``, materialised as a boolean ``(..., L, S)`` mask; no ``score_mod`` | yes | any |
+| ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no, no | key padding (bool) | `mods.causal`, `mods.sliding_window`, `mods.softcap` (recognised by `mods.describe`) | no | CUDA (or the interpreter) |
 
 All of them support ``is_causal`` (top-left aligned, combined with
 ``attn_mask``), ``scale``, grouped-query heads (``enable_gqa``) and autograd,
@@ -20,7 +20,9 @@ and give output 0 for a query row that no key may attend to.
 `auto_rule`):
 
 1. weights requested (``return_weights=True``) -> ``"math"``, the only path
-   that forms them;
+   that forms them; the log-sum-exp requested (``return_lse=True``) -> what
+   the rules below pick if it is ``"tiled"``, else ``"math"``, the two paths
+   that return it;
 2. CUDA tensors -> ``"triton"`` when the kernel has been verified on a GPU
    (``TRITON_VERIFIED_ON_GPU``), is installed and supports the call (no
    dropout, a key-padding mask or none, mods it implements, ``E == Ev`` in
@@ -143,6 +145,7 @@ def select_backend(
     return_weights: bool = False,
     score_mod: mods.ScoreMod | None = None,
     mask_mod: mods.MaskMod | None = None,
+    return_lse: bool = False,
 ) -> str:
     """The backend `attention_ref.scaled_dot_product_attention` would run for these arguments.
 
@@ -171,13 +174,14 @@ def select_backend(
     """
     check_probability("dropout_p", dropout_p)
     _inputs.check_bool("return_weights", return_weights)
+    _inputs.check_bool("return_lse", return_lse)
     check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
     query, key, value, mask, _ = _inputs.prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
     call = Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod)
+                return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
     return _select(backend, call)
 
 
@@ -198,6 +202,7 @@ class Call:
     return_weights: bool = False
     score_mod: mods.ScoreMod | None = None
     mask_mod: mods.MaskMod | None = None
+    return_lse: bool = False
     #: Made by ``"auto"`` when it looked at the mask_mod's sparsity; the tiled path reuses it.
     block_mask: BlockMask | None = None
 
@@ -209,7 +214,10 @@ class Call:
 def _select(backend: str, call: Call) -> str:
     """Resolve ``"auto"`` and check that the backend can honour the (validated) call."""
     if backend == "auto":
-        return _auto(call)
+        chosen = _auto(call)
+        if call.return_lse and chosen not in ("math", "tiled"):
+            return "math"  # rule 1: only these two return the log-sum-exp
+        return chosen
     reason = _unsupported(backend, call)
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
@@ -316,6 +324,13 @@ def _unsupported(backend: str, call: Call) -> str | None:
     query, value, mask, dropout_p = call.query, call.value, call.mask, call.dropout_p
     if backend == "math":
         return None
+    if call.return_lse and backend != "tiled":
+        return (
+            "it does not return the log-sum-exp (return_lse=True): torch's public "
+            "scaled_dot_product_attention does not expose it; use backend='math' or 'tiled'"
+            if backend == "sdpa" else
+            "its log-sum-exp is not exposed (return_lse=True); use backend='math' or 'tiled'"
+        )
     if call.return_weights:
         return "it never forms the (L, S) attention weights; use backend='math' (or 'auto') for return_weights=True"
     if backend == "tiled":
@@ -401,14 +416,15 @@ def _triton_available(device: torch.device) -> bool:
 # --- running ---------------------------------------------------------------------------------
 
 
-def _run(backend: str, call: Call, scale: float) -> torch.Tensor:
+def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run a non-math backend on a validated call (key/value heads not expanded)."""
     query, key, value, mask = call.query, call.key, call.value, call.mask
     if backend == "tiled":
         block_q, block_k = (TILED_MODS_BLOCK_Q, TILED_MODS_BLOCK_K) if call.mask_mod is not None else (None, None)
         blocks = {"block_q": block_q, "block_k": block_k} if block_q is not None else {}
         return _tiled(query, key, value, mask, is_causal=call.is_causal, scale=scale, enable_gqa=call.enable_gqa,
-                      score_mod=call.score_mod, mask_mod=call.mask_mod, block_mask=call.block_mask, **blocks)
+                      score_mod=call.score_mod, mask_mod=call.mask_mod, block_mask=call.block_mask,
+                      return_lse=call.return_lse, **blocks)
     if backend == "sdpa":
         if call.mask_mod is not None:  # materialised: a boolean (..., L, S) mask, combined with attn_mask
             batch = _batch_shape(query, key, value, call.enable_gqa)

@@ -42,7 +42,7 @@ from attention_ref import mods as _mods
 from attention_ref._validation import check_probability
 from attention_ref.masks import causal_mask
 
-__all__ = ["attention_weights", "scaled_dot_product_attention"]
+__all__ = ["attention_weights", "merge_attention", "scaled_dot_product_attention"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,6 +81,21 @@ def _masked_scores(
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return scores
+
+
+def _log_sum_exp(scores: torch.Tensor) -> torch.Tensor:
+    """``log sum_j exp(scores_ij)`` over the last dim, ``-inf`` (with gradient 0) on a row of only ``-inf``.
+
+    ``torch.logsumexp`` gives ``-inf`` there too, but a NaN gradient; here the
+    empty row's logarithm is taken of 1 and replaced, so no NaN reaches autograd.
+    """
+    if scores.shape[-1] == 0:  # S = 0: every row is empty
+        return scores.sum(dim=-1).fill_(float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    denom = torch.exp(scores - row_max).sum(dim=-1, keepdim=True)  # (..., L, 1)
+    lse = row_max + torch.log(torch.where(denom > 0, denom, torch.ones_like(denom)))
+    return torch.where(denom > 0, lse, torch.full_like(lse, float("-inf"))).squeeze(-1)  # (..., L, 1) -> (..., L)
 
 
 def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -176,7 +191,8 @@ def scaled_dot_product_attention(
     backend: str = "math",
     score_mod: _mods.ScoreMod | None = None,
     mask_mod: _mods.MaskMod | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     r"""Scaled dot-product attention, equal to ``torch.nn.functional.scaled_dot_product_attention``.
 
     $$
@@ -213,13 +229,23 @@ def scaled_dot_product_attention(
             `attention_ref.mods` and the order in `attention_ref.functional`).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = the pair
             takes part; combined (AND) with ``attn_mask`` and ``is_causal``.
-            Mods run on the ``"math"`` backend (``"auto"`` picks it when a mod
-            is given); the other backends raise.
+            ``"sdpa"`` materialises it; see `attention_ref.backends` for what
+            each backend takes.
+        return_lse: also return ``lse`` ``(..., L)``, the natural log of each
+            query row's softmax denominator, ``log sum_j exp(scores_ij)`` over
+            the scores after the mods and masks (before dropout); ``-inf`` for a
+            row with no key. Two results over disjoint sets of keys merge
+            exactly with it (`merge_attention`), as the tiled path, FlashAttention
+            and ring attention do. The ``"math"`` and ``"tiled"`` backends return
+            it (``"auto"`` picks one of them), in the compute dtype (at least
+            float32), with gradients; the others raise.
 
     Returns:
-        ``(..., L, Ev)`` in ``query``'s dtype, or ``(output, weights)`` with
-        weights ``(..., L, S)``. A query row with no key taking part gives
-        output 0 and weights 0 (with finite gradients), as PyTorch >= 2.5 does.
+        ``(..., L, Ev)`` in ``query``'s dtype; with ``return_weights`` the pair
+        ``(output, weights)``, weights ``(..., L, S)``; with ``return_lse`` the
+        pair ``(output, lse)``, or ``(output, weights, lse)`` with both. A query
+        row with no key taking part gives output 0 and weights 0 (with finite
+        gradients), as PyTorch >= 2.5 does.
 
     Raises:
         ValueError: shapes that do not fit, a bad scale or dropout_p, tensors on
@@ -239,6 +265,7 @@ def scaled_dot_product_attention(
     """
     check_probability("dropout_p", dropout_p)
     _inputs.check_bool("return_weights", return_weights)
+    _inputs.check_bool("return_lse", return_lse)
     _backends.check_backend(backend)
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
@@ -246,17 +273,85 @@ def scaled_dot_product_attention(
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
     call = _backends.Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                          return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod)
+                          return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,
+                          return_lse=return_lse)
     chosen = _backends._select(backend, call)
     if chosen != "math":
         return _backends._run(chosen, call, resolved)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
-    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod))  # (..., L, S)
+    scores = _masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
+    weights = _safe_softmax(scores)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     # (..., L, S) @ (..., S, Ev) -> (..., L, Ev)
     output = torch.matmul(weights, value.to(weights.dtype)).to(query.dtype)
-    if return_weights:
-        return output, weights.to(query.dtype)
-    return output
+    result = (output, weights.to(query.dtype)) if return_weights else (output,)
+    if return_lse:
+        result += (_log_sum_exp(scores),)  # (..., L)
+    return result if len(result) > 1 else output
+
+
+def merge_attention(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Merge two attention results over disjoint sets of keys into the result over all of them.
+
+    If ``out_a, lse_a`` is attention of the queries over keys ``A`` and
+    ``out_b, lse_b`` over keys ``B`` (same queries, same scale, from
+    ``scaled_dot_product_attention(..., return_lse=True)``), then over ``A`` and
+    ``B`` together
+
+    $$
+    \mathrm{lse} = \log(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}), \qquad
+    \mathrm{out} = e^{\mathrm{lse}_a - \mathrm{lse}}\, \mathrm{out}_a
+                 + e^{\mathrm{lse}_b - \mathrm{lse}}\, \mathrm{out}_b ,
+    $$
+
+    exactly (up to rounding): each part's softmax was normalised by its own
+    denominator ``e^lse``, and the factors put both over the common one. This is
+    the step of the tiled path's online softmax, of FlashAttention's split-KV
+    decoding and of ring attention. A part where a row had no key (``lse =
+    -inf``) gets weight 0; a row with no key in either part stays output 0,
+    ``lse = -inf``. Gradients are finite in every case.
+
+    Args:
+        out_a: ``(..., L, Ev)``.
+        lse_a: ``(..., L)``, the natural-log sum of exponentials of ``out_a``'s scores.
+        out_b: ``(..., L, Ev)``, the same shape as ``out_a``.
+        lse_b: ``(..., L)``, the same shape as ``lse_a``.
+
+    Returns:
+        ``(out, lse)``: ``out`` in ``out_a``'s dtype, ``lse`` in ``lse_a``'s.
+
+    Raises:
+        TypeError: non-tensors or non-float tensors.
+        ValueError: shapes that do not match, or tensors on different devices.
+
+    Examples:
+        >>> import torch
+        >>> from attention_ref import scaled_dot_product_attention as sdpa
+        >>> q, k, v = torch.randn(3, 4), torch.randn(10, 4), torch.randn(10, 2)
+        >>> a = sdpa(q, k[:6], v[:6], return_lse=True)
+        >>> b = sdpa(q, k[6:], v[6:], return_lse=True)
+        >>> out, lse = merge_attention(*a, *b)
+        >>> full, full_lse = sdpa(q, k, v, return_lse=True)
+        >>> torch.allclose(out, full, atol=1e-6), torch.allclose(lse, full_lse, atol=1e-6)
+        (True, True)
+    """
+    _inputs.check_merge(out_a, lse_a, out_b, lse_b)
+    # lse = log(e^lse_a + e^lse_b), shifted by the larger one; -inf (gradient 0, not NaN) where both are -inf.
+    shift = torch.maximum(lse_a, lse_b).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    total = torch.exp(lse_a - shift) + torch.exp(lse_b - shift)  # (..., L)
+    lse = torch.where(total > 0, shift + torch.log(torch.where(total > 0, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    # An empty row has lse = -inf in both parts: subtract 0 there instead, so each factor is exp(-inf) = 0.
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    factor_a = torch.exp(lse_a - finite).unsqueeze(-1)  # (..., L) -> (..., L, 1)
+    factor_b = torch.exp(lse_b - finite).unsqueeze(-1)
+    out = factor_a * out_a.to(factor_a.dtype) + factor_b * out_b.to(factor_b.dtype)  # (..., L, Ev)
+    return out.to(out_a.dtype), lse.to(lse_a.dtype)

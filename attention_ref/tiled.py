@@ -281,7 +281,8 @@ def tiled_attention(
     score_mod: mods.ScoreMod | None = None,
     mask_mod: mods.MaskMod | None = None,
     block_mask: BlockMask | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention computed block by block with an online softmax; never forms ``(L, S)``.
 
     Equals `attention_ref.scaled_dot_product_attention` with
@@ -321,9 +322,15 @@ def tiled_attention(
         block_mask: a `BlockMask` made in advance by `create_block_mask` with the
             same ``mask_mod`` and block sizes (built here when omitted), so the
             classification of the blocks can be reused across calls.
+        return_lse: also return the log-sum-exp of each query row's scores,
+            which the online softmax keeps anyway (see
+            `attention_ref.scaled_dot_product_attention`); gradients flow
+            through it too.
 
     Returns:
-        ``(..., L, Ev)`` in ``query``'s dtype, computed in at least float32.
+        ``(..., L, Ev)`` in ``query``'s dtype, computed in at least float32;
+        with ``return_lse`` also ``lse`` ``(..., L)`` in the compute dtype
+        (``-inf`` on a row with no key).
 
     Raises:
         ValueError, TypeError: as `attention_ref.scaled_dot_product_attention`
@@ -344,11 +351,13 @@ def tiled_attention(
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
+    _inputs.check_bool("return_lse", return_lse)
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be an attention_ref.tiled.BlockMask, got {type(block_mask).__name__}")
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
-                  block_q=block_q, block_k=block_k, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+                  block_q=block_q, block_k=block_k, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                  return_lse=return_lse)
 
 
 def _tiled(
@@ -365,7 +374,8 @@ def _tiled(
     score_mod: mods.ScoreMod | None = None,
     mask_mod: mods.MaskMod | None = None,
     block_mask: BlockMask | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The tiled path on validated inputs (the dispatcher's entry point; mods checked to be callables)."""
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2:]
@@ -397,8 +407,10 @@ def _tiled(
         k = key.to(compute).expand(*batch, S, E).reshape(N, S, E)
         v = value.to(compute).expand(*batch, S, Ev).reshape(N, S, Ev)
     mods_ = (score_mod, mask_mod, kinds)
-    out = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)  # (N * Hkv, G, L, Ev)
-    return out.reshape(*batch, L, Ev).to(query.dtype)  # -> (..., L, Ev)
+    # (N * Hkv, G, L, Ev) and (N * Hkv, G, L, 1), the log-sum-exp in natural-log units
+    out, lse = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)
+    out = out.reshape(*batch, L, Ev).to(query.dtype)  # -> (..., L, Ev)
+    return (out, lse.reshape(*batch, L)) if return_lse else out  # lse (N * Hkv, G, L, 1) -> (..., L)
 
 
 def _batch_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> tuple[int, ...]:
@@ -570,7 +582,8 @@ class _TiledAttention(torch.autograd.Function):
     """softmax(q k^T / log2(e) + mask) v over blocks, q pre-scaled by ``scale * log2 e``.
 
     Shapes: q (N*Hkv, G, L, E), k (N*Hkv, S, E), v (N*Hkv, S, Ev), all in the compute
-    dtype; returns (N*Hkv, G, L, Ev). ``m_i`` and ``lse`` are in log2 units.
+    dtype; returns (N*Hkv, G, L, Ev) and the log-sum-exp (N*Hkv, G, L, 1) in natural-log
+    units. Inside, ``m_i`` and ``lse`` are in log2 units.
     """
 
     @staticmethod
@@ -632,11 +645,11 @@ class _TiledAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
         ctx.options = (is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, grids)
-        return out
+        return out, lse * _LN2  # log2 units -> natural log (-inf stays -inf)
 
     @staticmethod
     @once_differentiable  # the blockwise backward is not itself differentiable
-    def backward(ctx, d_out):  # type: ignore[override]
+    def backward(ctx, d_out, d_lse):  # type: ignore[override]
         q, k, v, out, lse, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
         is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, grids = ctx.options
@@ -645,7 +658,8 @@ class _TiledAttention(torch.autograd.Function):
         d_out = d_out.to(q.dtype)
         # D_i = rowsum(dO * O) = sum_j P_ij dP_ij, the term the softmax Jacobian subtracts. It and
         # lse enter the blocks' matmuls negated, as their starting values: negated once here.
-        neg_delta = (d_out * out).sum(dim=-1, keepdim=True).neg_()  # (NK, G, L, 1)
+        # A gradient of the returned lse adds d lse_i / d s_ij = P_ij: dS = P * (dP - (D_i - dlse_i)).
+        neg_delta = (d_out * out).sum(dim=-1, keepdim=True).neg_().add_(d_lse.to(q.dtype))  # (NK, G, L, 1)
         # A fully masked row has lse = -inf; +inf makes every recomputed weight exp(-inf - inf) = 0.
         neg_lse = lse.masked_fill(lse == _NEG_INF, float("inf")).neg_()  # (NK, G, L, 1)
         dq = torch.zeros_like(q)
