@@ -27,7 +27,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from attention_ref import complexity, conventions, diagrams, masks, mods, positional, testing, tiled
+from attention_ref import (
+    complexity,
+    conventions,
+    diagrams,
+    distributed,
+    kv_cache,
+    masks,
+    mods,
+    positional,
+    testing,
+    tiled,
+    varlen,
+)
 from attention_ref.functional import attention_weights, merge_attention, scaled_dot_product_attention
 from attention_ref.masks import (
     causal_mask,
@@ -47,7 +59,9 @@ __all__ = [
     "complexity",
     "conventions",
     "diagrams",
+    "distributed",
     "from_key_padding_mask",
+    "kv_cache",
     "masks",
     "merge_attention",
     "mods",
@@ -58,6 +72,7 @@ __all__ = [
     "testing",
     "tiled",
     "to_additive",
+    "varlen",
     "viz",
 ]
 

@@ -67,7 +67,8 @@ def kv_group(query: torch.Tensor, kv: torch.Tensor, name: str) -> int:
 def expand_kv_heads(query: torch.Tensor, kv: torch.Tensor, name: str) -> torch.Tensor:
     """Repeat the key/value heads of grouped-query attention to match the query heads."""
     # (..., Hkv, S, E) -> (..., H, S, E): each key/value head serves H // Hkv query heads.
-    return kv.repeat_interleave(kv_group(query, kv, name), dim=-3)
+    group = kv_group(query, kv, name)
+    return kv if group == 1 else kv.repeat_interleave(group, dim=-3)  # H == Hkv: no copy
 
 
 def check_qk(

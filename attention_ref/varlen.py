@@ -18,7 +18,8 @@ Queries and keys have their own cumulative lengths (``cu_seqlens_q``,
 (`attention_ref.functional.scaled_dot_product_attention`) over the packed
 tensors, with a mask mod that keeps the pairs of the same sequence (a
 block-diagonal mask, `attention_ref.mods.document`) and, when causal, the
-bottom-right causal rule of each sequence. `pack` and `unpack` convert between a
+bottom-right causal rule of each sequence (`varlen_mask_mod`, which can be
+drawn or passed to FlexAttention). `pack` and `unpack` convert between a
 right-padded batch and the packed layout; `cu_seqlens_from_lengths` gives the
 boundaries.
 
@@ -54,7 +55,7 @@ from attention_ref._validation import (
 )
 from attention_ref.functional import scaled_dot_product_attention
 
-__all__ = ["cu_seqlens_from_lengths", "pack", "unpack", "varlen_attention"]
+__all__ = ["cu_seqlens_from_lengths", "pack", "unpack", "varlen_attention", "varlen_mask_mod"]
 
 
 # --- argument checks ---------------------------------------------------------------------------
@@ -74,18 +75,25 @@ def _int_tensor(name: str, value: object, layout: str) -> torch.Tensor:
     return tensor
 
 
-def _check_lengths(name: str, lengths: object) -> torch.Tensor:
-    """``(B,)`` non-negative integer lengths, as int64."""
+def _check_lengths(name: str, lengths: object, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B,)`` non-negative integer lengths, as int64; on ``like``'s device when given
+    (a list is made there, a tensor elsewhere is refused)."""
     tensor = _int_tensor(name, lengths, "(B,)")
+    if like is not None and not isinstance(lengths, torch.Tensor):
+        tensor = tensor.to(like.device)
+    if like is not None and tensor.device != like.device:
+        raise ValueError(f"{name} must be on the same device as x ({like.device}), got {tensor.device}")
     if tensor.numel() and int(tensor.min()) < 0:
-        raise ValueError(f"{name} must be non-negative, got {tensor.tolist()}")
+        raise ValueError(f"{name} must be non-negative, got {_short(tensor.tolist())}")
     return tensor.long()
 
 
-def _check_cu_seqlens(name: str, cu_seqlens: object, total: int, total_name: str, device: torch.device) -> torch.Tensor:
-    """``(n + 1,)`` integers from 0 to ``total``, non-decreasing; returned as int64."""
+def _check_cu_seqlens(
+    name: str, cu_seqlens: object, total: int | None = None, total_name: str = "", device: torch.device | None = None
+) -> torch.Tensor:
+    """``(n + 1,)`` integers from 0 (to ``total`` when given), non-decreasing; returned as int64."""
     cu = _int_tensor(name, cu_seqlens, "(n + 1,)")
-    if cu.device != device:
+    if device is not None and cu.device != device:
         raise ValueError(f"{name} must be on the same device as query ({device}), got {cu.device}")
     if cu.numel() == 0:
         raise ValueError(f"{name} must hold n + 1 >= 1 offsets starting at 0, got an empty tensor")
@@ -99,7 +107,7 @@ def _check_cu_seqlens(name: str, cu_seqlens: object, total: int, total_name: str
             f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{s}] = {values[s]} "
             f"> {name}[{s + 1}] = {values[s + 1]} ({_short(values)})"
         )
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(
             f"{name} must end at the packed length {total_name} = {total}, got {name}[-1] = {values[-1]} "
             f"({_short(values)})"
@@ -122,6 +130,15 @@ def _check_packed(name: str, value: object, layout: str) -> torch.Tensor:
             f"with shape {fmt_shape(tensor.shape)}"
         )
     return tensor
+
+
+def _check_same_count(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences: cu_seqlens_q has "
+            f"{cu_q.numel() - 1} (shape {fmt_shape(cu_q.shape)}), cu_seqlens_k has {cu_k.numel() - 1} "
+            f"(shape {fmt_shape(cu_k.shape)})"
+        )
 
 
 # --- the boundaries ----------------------------------------------------------------------------
@@ -196,18 +213,17 @@ def pack(x: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[torch.
             f"x must have at least 3 dims (B, ..., Lmax, F), got {x.dim()} dims with shape {fmt_shape(x.shape)} "
             f"(for token ids of shape (B, Lmax), pass ids[..., None])"
         )
-    lengths = _check_lengths("lengths", lengths)
+    lengths = _check_lengths("lengths", lengths, like=x)
     B, max_length = x.shape[0], x.shape[-2]
     if lengths.shape[0] != B:
         raise ValueError(
             f"lengths must have shape (B,) = ({B},) for x of shape {fmt_shape(x.shape)}, "
             f"got {fmt_shape(lengths.shape)}"
         )
-    if lengths.device != x.device:
-        raise ValueError(f"lengths must be on the same device as x ({x.device}), got {lengths.device}")
     if B and int(lengths.max()) > max_length:
         raise ValueError(
-            f"lengths must be <= the padded length Lmax = {max_length} (x.shape[-2]), got {lengths.tolist()}"
+            f"lengths must be <= the padded length Lmax = {max_length} (x.shape[-2]), "
+            f"got {_short(lengths.tolist())}"
         )
     # (B, ..., Lmax, F) -> (..., B, Lmax, F) -> (..., B * Lmax, F): each sequence's rows side by side
     rows = x.movedim(0, -3).flatten(-3, -2)
@@ -265,20 +281,70 @@ def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int | Non
 # --- attention ---------------------------------------------------------------------------------
 
 
-def _bottom_right_causal(shift: torch.Tensor) -> mods.MaskMod:
-    """Causal inside each sequence, aligned bottom-right: packed key ``k`` for packed query ``q``
-    when ``k <= q + shift[q]``, with ``shift[q] = cu_k[s + 1] - cu_q[s + 1]`` for ``q``'s sequence ``s``.
-
-    In the sequence's own positions (query ``i = q - cu_q[s]``, key ``j = k - cu_k[s]``)
-    that is ``j <= i + Lk_s - Lq_s``: the last query sees the last key.
-    """
+def _mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.MaskMod:
+    """The mask mod of `varlen_mask_mod`, from checked int64 cumulative lengths."""
+    sequences = torch.arange(cu_q.numel() - 1, device=cu_q.device)
+    q_seq = sequences.repeat_interleave(cu_q[1:] - cu_q[:-1])  # (total_q,) sequence of each packed query
+    k_seq = sequences.repeat_interleave(cu_k[1:] - cu_k[:-1]).to(cu_q.device)  # (total_k,) of each packed key
+    same_sequence = mods.document(q_seq, k_seq)  # the block-diagonal mask
+    if not is_causal:
+        return same_sequence
+    # (total_q,): Lk_s - Lq_s as seen from packed coordinates, for the sequence s of each query
+    shift = (cu_k[1:].to(cu_q.device) - cu_q[1:])[q_seq]
 
     def varlen_causal_mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
-        return kv_idx <= q_idx + shift[q_idx]
+        return kv_idx <= q_idx + shift[q_idx]  # j <= i + Lk_s - Lq_s inside sequence s
 
-    return varlen_causal_mask_mod
+    return mods.and_masks(same_sequence, varlen_causal_mask_mod)
+
+
+def varlen_mask_mod(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, is_causal: bool = False
+) -> mods.MaskMod:
+    r"""The mask of `varlen_attention` over the packed tokens, as a mask mod.
+
+    Packed key ``k`` takes part for packed query ``q`` when both belong to the
+    same sequence ``s`` and, with ``is_causal``, ``k <= q + cu_k[s + 1] - cu_q[s + 1]``:
+    in the sequence's own positions (``i = q - cu_q[s]``, ``j = k - cu_k[s]``)
+    that is ``j <= i + Lk_s - Lq_s``, the causal rule aligned bottom-right (the
+    last query sees the last key). Without causal it is block-diagonal, one
+    ``Lq_s x Lk_s`` block per sequence: `attention_ref.mods.document` with the
+    query and key sequence ids.
+
+    The mod has FlexAttention's signature, so it can be drawn with
+    `attention_ref.mods.create_mask`, passed to
+    `attention_ref.scaled_dot_product_attention` (``mask_mod=``), or to
+    ``torch.nn.attention.flex_attention.create_block_mask``.
+
+    Args:
+        cu_seqlens_q: ``(n + 1,)`` cumulative query lengths (start at 0, non-decreasing).
+        cu_seqlens_k: ``(n + 1,)`` cumulative key lengths.
+        is_causal: add the per-sequence bottom-right causal rule.
+
+    Returns:
+        ``mask_mod(b, h, q_idx, kv_idx)`` for scores ``(..., total_q, total_k)``
+        (``True`` = the pair takes part); it checks these sizes when used.
+
+    Raises:
+        TypeError: non-integer ``cu_seqlens``, ``is_causal`` not a bool.
+        ValueError: ``cu_seqlens`` not 1-D, not starting at 0, decreasing, or
+            the two with different numbers of sequences.
+
+    Examples:
+        >>> cu = torch.tensor([0, 2, 3])
+        >>> mods.create_mask(varlen_mask_mod(cu, cu), None, None, 3, 3)[0, 0].int().tolist()
+        [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+        >>> cu_k = torch.tensor([0, 3, 4])    # 3 keys for the first 2 queries: bottom-right
+        >>> mods.create_mask(varlen_mask_mod(cu, cu_k, is_causal=True), None, None, 3, 4)[0, 0].int().tolist()
+        [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    """
+    check_bool("is_causal", is_causal)
+    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    _check_same_count(cu_q, cu_k)
+    return _mask_mod(cu_q, cu_k, is_causal)
 
 
 def varlen_attention(
@@ -306,16 +372,16 @@ def varlen_attention(
 
     and concatenating the ``out_s`` along dim 1, the semantics of FlashAttention's
     ``flash_attn_varlen_func`` (with heads first). It is computed as *one* call
-    of the core over the packed tensors, with the mask mod
+    of the core over the packed tensors, with the mask mod of `varlen_mask_mod`:
+    packed key ``k`` takes part for packed query ``q`` of sequence ``s`` when
 
     $$
-    \text{keep}(q, k) = [\,\mathrm{seq}(q) = \mathrm{seq}(k)\,] \wedge
-    [\,k \le q + \text{cu}_k[s + 1] - \text{cu}_q[s + 1]\,]
-    \quad (s = \mathrm{seq}(q);\ \text{second term only when causal}),
+    \mathrm{seq}(k) = s \;\wedge\; k \le q + \text{cu}_k[s + 1] - \text{cu}_q[s + 1],
     $$
 
-    a block-diagonal mask (`attention_ref.mods.document` with the query and key
-    sequence ids) and, when causal, a bottom-right triangle in each block. This
+    the second condition only when causal: a block-diagonal mask
+    (`attention_ref.mods.document` with the query and key sequence ids) and,
+    when causal, a bottom-right triangle in each block. This
     reference materialises the ``(H, total_q, total_k)`` scores, so its memory
     is ``O(H * total_q * total_k)``, most of it masked: a varlen kernel
     computes only the ``sum_s Lq_s * Lk_s`` pairs of the blocks.
@@ -383,19 +449,7 @@ def varlen_attention(
         )
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (query.shape[1])", query.device)
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (key.shape[1])", query.device)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences: cu_seqlens_q has "
-            f"{cu_q.numel() - 1} (shape {fmt_shape(cu_q.shape)}), cu_seqlens_k has {cu_k.numel() - 1} "
-            f"(shape {fmt_shape(cu_k.shape)})"
-        )
-    n = cu_q.numel() - 1
-    sequences = torch.arange(n, device=query.device)
-    q_seq = sequences.repeat_interleave(cu_q[1:] - cu_q[:-1])  # (total_q,) sequence of each packed query
-    k_seq = sequences.repeat_interleave(cu_k[1:] - cu_k[:-1])  # (total_k,) sequence of each packed key
-    keep = mods.document(q_seq, k_seq)  # same sequence: the block-diagonal mask
-    if is_causal:
-        shift = (cu_k[1:] - cu_q[1:])[q_seq]  # (total_q,): Lk_s - Lq_s in packed coordinates
-        keep = mods.and_masks(keep, _bottom_right_causal(shift))
+    _check_same_count(cu_q, cu_k)
+    keep = _mask_mod(cu_q, cu_k, is_causal)
     # (H, total_q, E) x (Hkv, total_k, E) -> scores (H, total_q, total_k), masked -> (H, total_q, Ev)
     return scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True, mask_mod=keep)

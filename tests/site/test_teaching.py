@@ -25,7 +25,7 @@ import pytest
 from test_browser import DOCS, SOURCES, built_page, find_blocks, page_path
 
 TEACHING = [s for s in SOURCES
-            if s == "index.md" or s.startswith(("tutorial/", "howto/", "explanation/", "contributors/"))]
+            if s == "index.md" or s.startswith(("tutorial/", "howto/", "inference/", "explanation/", "contributors/"))]
 TUTORIAL = [s for s in SOURCES if s.startswith("tutorial/")]
 VIEWPORT = {"width": 1280, "height": 900}
 MIN_FIGURE_TEXT_PX = 7.0

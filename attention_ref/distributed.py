@@ -1,0 +1,841 @@
+r"""Context-parallel (ring) attention on ``torch.distributed``: one sequence split across devices.
+
+When a sequence no longer fits one device, it is cut along its length: each rank
+(process, usually one per GPU) holds a slice of the queries, keys and values.
+The queries stay where they are; the key/value slices travel around a ring of
+ranks, one hop per step, and after ``world`` steps every query slice has met
+every key slice. Each rank merges its partial results with the log-sum-exp
+algebra of the online softmax (`attention_ref.functional.merge_attention`), so
+the result equals `attention_ref.functional.scaled_dot_product_attention` on
+the whole sequence up to rounding.
+
+Two layouts say which positions a rank holds (`shard`, `unshard`), for a full
+length ``N`` and ``world`` ranks:
+
+- ``"contiguous"``: rank ``r`` holds the ``r``-th of ``world`` equal slices.
+  Under a causal mask the last rank does most of the work: its queries see
+  every key, rank 0's only its own.
+- ``"zigzag"`` (the default): the sequence is cut into ``2 * world`` equal chunks
+  and rank ``r`` holds chunks ``r`` and ``2 * world - 1 - r``, one early and one
+  late, so that every rank does the same causal work (`ring_schedule` lists it).
+
+What the module gives:
+
+- `ring_attention`: the local slices in, this rank's output slice out, with a
+  backward pass that sends the key/value gradients around the ring to their owners;
+- `shard` / `unshard`: a full tensor to this rank's part and back;
+- `ring_schedule`: which key/value chunk each rank meets at each step, and whether
+  it is computed in full, with a causal mask, or skipped;
+- `count_communication` / `CommStats`: the sends of `ring_attention`, counted;
+- `spawn` / `demo_worker`: run a function in ``world`` local CPU processes joined
+  by the gloo backend (for tests and the documentation), and a worker that
+  checks the ring against one process.
+
+Every rank must call the collective functions in the same order with tensors of
+the same shapes (as every ``torch.distributed`` program): nothing checks it, a
+mismatch hangs until the process group's timeout. The code runs unchanged with
+the NCCL backend on GPUs (the tensors on each rank's own device); it has been
+tested on CPU with gloo. Shapes use the package legend (``B``, ``H``, ``Hkv``,
+``L``, ``E``, ``Ev``); a local slice has ``L / world`` positions.
+
+Examples:
+    >>> from attention_ref.distributed import ring_schedule
+    >>> for rank, blocks in enumerate(ring_schedule(2, layout="zigzag")):   # causal, 2 ranks
+    ...     print(rank, [(b.step, b.q_chunk, b.kv_chunk, b.kind) for b in blocks if b.kind != "skipped"])
+    0 [(0, 0, 0, 'masked'), (0, 3, 0, 'full'), (0, 3, 3, 'masked'), (1, 3, 1, 'full'), (1, 3, 2, 'full')]
+    1 [(0, 1, 1, 'masked'), (0, 2, 1, 'full'), (0, 2, 2, 'masked'), (1, 1, 0, 'full'), (1, 2, 0, 'full')]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attention_ref import _inputs
+from attention_ref._validation import fmt_shape
+from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
+
+__all__ = [
+    "CommStats",
+    "RingBlock",
+    "count_communication",
+    "demo_worker",
+    "ring_attention",
+    "ring_schedule",
+    "shard",
+    "spawn",
+    "unshard",
+]
+
+LAYOUTS = ("zigzag", "contiguous")
+# Tags keep the four kinds of message apart on backends that match messages by tag (gloo);
+# NCCL ignores them and matches by order, which is the same on every rank.
+_TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 0, 1, 2, 3
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+
+def _check_layout(layout: object) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout  # type: ignore[return-value]
+
+
+def _chunks_per_rank(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def _chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
+    """The global chunks rank ``rank`` holds, in its local order (chunks of ``N / (world * per_rank)``)."""
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def _group_info(group: dist.ProcessGroup | None, caller: str) -> tuple[int, int]:
+    """``(rank in group, group size)``, or a RuntimeError that says what to initialise."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{caller} needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) first in every process "
+            "(attention_ref.distributed.spawn does it for local CPU processes)"
+        )
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise RuntimeError(f"{caller}: this process (global rank {dist.get_rank()}) is not a member of group")
+    return rank, world
+
+
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group_rank`` (point-to-point ops take global ranks)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _positions(rank: int, world: int, local_len: int, layout: str, device: torch.device | str | None = None
+               ) -> torch.Tensor:
+    """The global positions ``(local_len,)`` that rank ``rank`` holds, in its local order."""
+    chunk = local_len // _chunks_per_rank(layout)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in _chunk_ids(rank, world, layout)])
+
+
+def _required_multiple(world: int, layout: str) -> int:
+    return _chunks_per_rank(layout) * world
+
+
+def shard(
+    x: torch.Tensor,
+    dim: int = -2,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """This rank's part of a full tensor that every rank holds.
+
+    With ``layout="contiguous"`` rank ``r`` gets the ``r``-th of ``world`` equal
+    slices along ``dim``; with ``"zigzag"`` it gets chunks ``r`` and
+    ``2 * world - 1 - r`` of ``2 * world`` equal chunks, concatenated in that
+    order. No communication: every rank must pass the same full tensor. The
+    result is a new tensor (an ``index_select``), differentiable with respect
+    to ``x``: the gradient is this rank's slice, put back in place, zeros elsewhere.
+
+    Args:
+        x: the full tensor, the same on every rank; ``x.shape[dim]`` a multiple of
+            ``world`` (contiguous) or ``2 * world`` (zigzag).
+        dim: the sequence dim, ``-2`` for the ``(..., L, E)`` tensors of attention.
+        group: the process group (``None``: the default group).
+        layout: ``"zigzag"`` or ``"contiguous"``.
+
+    Returns:
+        The part of ``x`` this rank holds: ``x.shape[dim] / world`` positions along ``dim``.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: an unknown layout, or a length that does not divide.
+        TypeError: ``x`` is not a tensor.
+
+    Examples:
+        >>> import os, tempfile, torch, torch.distributed as dist
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> shard(torch.arange(4.0)[:, None]).flatten().tolist()   # one rank holds it all
+        [0.0, 1.0, 2.0, 3.0]
+        >>> dist.destroy_process_group()
+    """
+    layout = _check_layout(layout)
+    rank, world = _group_info(group, "shard")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    length = x.shape[dim]
+    multiple = _required_multiple(world, layout)
+    if length % multiple:
+        raise ValueError(
+            f"shard with layout={layout!r} needs x.shape[{dim}] to be a multiple of "
+            f"{'2 * world' if layout == 'zigzag' else 'world'} = {multiple}, got {length} (shape {fmt_shape(x.shape)})"
+        )
+    index = _positions(rank, world, length // world, layout, x.device)  # (length / world,) global positions
+    return x.index_select(dim, index)
+
+
+class _Unshard(torch.autograd.Function):
+    """All-gather of the local parts, reordered to the full tensor; backward: all-reduce, then shard."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, layout, world):  # type: ignore[override]
+        ctx.options = (dim, group, layout)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        # Rank order (rank 0's positions, rank 1's, ...) -> position order.
+        order = torch.cat([_positions(r, world, x.shape[dim], layout) for r in range(world)])
+        gathered = torch.cat(parts, dim=dim)
+        return gathered.index_select(dim, torch.argsort(order).to(x.device))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        dim, group, layout = ctx.options
+        # Every rank's copy of the full tensor depends on this rank's part: sum the copies' gradients.
+        total = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
+        dist.all_reduce(total, group=group)
+        return shard(total, dim, group=group, layout=layout), None, None, None, None
+
+
+def unshard(
+    x_local: torch.Tensor,
+    dim: int = -2,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """The full tensor, on every rank, from each rank's part (the inverse of `shard`).
+
+    An all-gather of the parts, put back in position order. Differentiable: the
+    gradient of a rank's part is the **sum over all ranks** of the gradient of
+    their copy of the full tensor, taken at this rank's positions (an all-reduce,
+    the convention of ``torch.distributed.nn.functional.all_gather``): the
+    gradient of the sum of every rank's loss. If every rank computes the *same*
+    loss from the full tensor, that sum counts it ``world`` times: divide the loss
+    by the world size, or compute each rank's loss on its own part instead.
+
+    Args:
+        x_local: this rank's part, the same shape on every rank.
+        dim: the sequence dim.
+        group: the process group (``None``: the default group).
+        layout: the layout the parts were made with.
+
+    Returns:
+        The full tensor, ``world * x_local.shape[dim]`` positions along ``dim``.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: an unknown layout, or an odd local length with ``"zigzag"``.
+        TypeError: ``x_local`` is not a tensor.
+
+    Examples:
+        >>> import os, tempfile, torch, torch.distributed as dist
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> x = torch.randn(2, 6, 3)
+        >>> torch.equal(unshard(shard(x, dim=1), dim=1), x)
+        True
+        >>> dist.destroy_process_group()
+    """
+    layout = _check_layout(layout)
+    _, world = _group_info(group, "unshard")
+    if not isinstance(x_local, torch.Tensor):
+        raise TypeError(f"x_local must be a torch.Tensor, got {type(x_local).__name__}")
+    if layout == "zigzag" and x_local.shape[dim] % 2:
+        raise ValueError(
+            f"unshard with layout='zigzag' needs an even local length (two chunks per rank), got "
+            f"x_local.shape[{dim}] = {x_local.shape[dim]}"
+        )
+    return _Unshard.apply(x_local, dim, group, layout, world)
+
+
+# --- the schedule -----------------------------------------------------------------------------
+
+
+class RingBlock(NamedTuple):
+    """One (query chunk, key/value chunk) pair a rank meets during the ring.
+
+    Attributes:
+        step: the ring step, ``0 .. world - 1``; at step ``s`` rank ``r`` holds the
+            key/value slice of rank ``(r - s) % world``.
+        source: the rank whose key/value slice it is.
+        q_chunk: the global index of the query chunk.
+        kv_chunk: the global index of the key/value chunk.
+        kind: ``"full"`` (computed without a mask), ``"masked"`` (the diagonal
+            chunk of a causal mask: computed with it) or ``"skipped"`` (every key
+            lies in the future of every query).
+    """
+
+    step: int
+    source: int
+    q_chunk: int
+    kv_chunk: int
+    kind: str
+
+
+def _block_kind(q_chunk: int, kv_chunk: int, is_causal: bool) -> str:
+    """Chunks are equal and numbered in position order: compare their global indices."""
+    if not is_causal or kv_chunk < q_chunk:
+        return "full"
+    return "masked" if kv_chunk == q_chunk else "skipped"
+
+
+def _rank_schedule(rank: int, world: int, layout: str, is_causal: bool) -> list[RingBlock]:
+    blocks = []
+    for step in range(world):
+        source = (rank - step) % world  # whose keys/values this rank holds at this step
+        for q_chunk in _chunk_ids(rank, world, layout):
+            for kv_chunk in _chunk_ids(source, world, layout):
+                blocks.append(RingBlock(step, source, q_chunk, kv_chunk, _block_kind(q_chunk, kv_chunk, is_causal)))
+    return blocks
+
+
+def ring_schedule(world: int, *, layout: str = "zigzag", is_causal: bool = True) -> list[list[RingBlock]]:
+    """Which chunk pairs each rank computes at each step of `ring_attention`, and how.
+
+    The sequence is cut into ``world`` (contiguous) or ``2 * world`` (zigzag)
+    equal chunks, numbered in position order. Query chunk ``a`` against key
+    chunk ``b`` is ``"full"`` when ``b < a`` (or without a causal mask),
+    ``"masked"`` when ``b == a`` and ``"skipped"`` when ``b > a``. The forward
+    and the backward pass of `ring_attention` follow this schedule; the
+    ``blocks_*`` counters of `CommStats` count it.
+
+    Args:
+        world: the number of ranks, >= 1.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        is_causal: whether a causal mask applies.
+
+    Returns:
+        One list per rank of its `RingBlock` entries, in the order it meets them.
+
+    Raises:
+        ValueError: ``world < 1`` or an unknown layout.
+        TypeError: ``world`` is not an int.
+
+    Examples:
+        >>> kinds = [[b.kind for b in blocks] for blocks in ring_schedule(4, layout="contiguous")]
+        >>> [k.count("full") + k.count("masked") for k in kinds]   # blocks computed per rank
+        [1, 2, 3, 4]
+        >>> [sum(b.kind != "skipped" for b in blocks) for blocks in ring_schedule(4)]
+        [9, 9, 9, 9]
+    """
+    if isinstance(world, bool) or not isinstance(world, int):
+        raise TypeError(f"world must be an int, got {type(world).__name__}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    layout = _check_layout(layout)
+    _inputs.check_bool("is_causal", is_causal)
+    return [_rank_schedule(rank, world, layout, is_causal) for rank in range(world)]
+
+
+# --- counting ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CommStats:
+    r"""What `ring_attention` sent from this rank, and the chunk pairs it computed.
+
+    With ``W`` ranks, local key and value slices of ``|K|`` and ``|V|`` elements
+    of ``s`` bytes (the input dtype) and ``s_acc`` bytes for the gradient
+    accumulators (the compute dtype: float32 for float16/bfloat16 inputs), one
+    call and its backward pass send, from every rank:
+
+    - forward: ``W - 1`` key/value steps, ``(W - 1) (|K| + |V|) s`` bytes;
+    - backward: ``W - 1`` key/value steps, ``(W - 1) (|K| + |V|) s`` bytes, and
+      ``W - 1`` steps of the dK/dV accumulators, ``(W - 1) (|K| + |V|) s_acc`` bytes.
+
+    Each rank receives as much as it sends. A step is one exchange with the
+    neighbours (a send to rank ``r + 1`` and a receive from rank ``r - 1``).
+
+    Attributes:
+        forward_steps: key/value exchanges of the forward pass.
+        forward_bytes: bytes of key/value sent in the forward pass.
+        backward_kv_steps: key/value exchanges of the backward pass.
+        backward_kv_bytes: bytes of key/value sent in the backward pass.
+        backward_grad_steps: dK/dV accumulator exchanges of the backward pass.
+        backward_grad_bytes: bytes of dK/dV accumulators sent.
+        blocks_full: chunk pairs computed without a mask (forward pass).
+        blocks_masked: chunk pairs computed with the causal mask (forward pass).
+        blocks_skipped: chunk pairs skipped, entirely in the future (forward pass).
+    """
+
+    forward_steps: int = 0
+    forward_bytes: int = 0
+    backward_kv_steps: int = 0
+    backward_kv_bytes: int = 0
+    backward_grad_steps: int = 0
+    backward_grad_bytes: int = 0
+    blocks_full: int = 0
+    blocks_masked: int = 0
+    blocks_skipped: int = 0
+
+
+_ACTIVE: list[CommStats] = []
+
+
+def _record(**increments: int) -> None:
+    for stats in _ACTIVE:
+        for name, value in increments.items():
+            setattr(stats, name, getattr(stats, name) + value)
+
+
+@contextlib.contextmanager
+def count_communication() -> Iterator[CommStats]:
+    """Count what `ring_attention` sends in this process while the context is open.
+
+    The forward pass counts when the call runs, the backward pass when
+    ``backward()`` runs: call it inside the context to count both. Contexts nest;
+    each counts everything that runs while it is open.
+
+    Yields:
+        A `CommStats`, updated in place.
+
+    Examples:
+        >>> with count_communication() as stats:
+        ...     pass                              # ring_attention(...) and .backward() here
+        >>> stats.forward_steps, stats.backward_grad_bytes
+        (0, 0)
+    """
+    stats = CommStats()
+    _ACTIVE.append(stats)
+    try:
+        yield stats
+    finally:
+        _ACTIVE.remove(stats)
+
+
+# --- the ring ---------------------------------------------------------------------------------
+
+
+class _Ring:
+    """Sends to the next rank and receives from the previous one, counting what it sends."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int) -> None:
+        self.group = group
+        self.next = _global_rank(group, (rank + 1) % world)
+        self.prev = _global_rank(group, (rank - 1) % world)
+
+    def start(self, tensors: tuple[torch.Tensor, ...], tags: tuple[int, ...]) -> tuple[list[Any], tuple[torch.Tensor, ...]]:
+        """Post the sends of ``tensors`` (contiguous, kept unchanged until the requests are waited for)
+        and the receives of the ones the previous rank sends; return (requests, received buffers)."""
+        received = tuple(torch.empty_like(t) for t in tensors)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t, tag in zip(tensors, tags)]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r, tag in zip(received, tags)]
+        return dist.batch_isend_irecv(ops), received
+
+    @staticmethod
+    def wait(requests: list[Any]) -> None:
+        for request in requests:
+            request.wait()
+
+
+def _chunk_slices(local_len: int, layout: str) -> list[slice]:
+    """The local slices of a rank's chunks: one, or the two zigzag halves."""
+    per = _chunks_per_rank(layout)
+    chunk = local_len // per
+    return [slice(i * chunk, (i + 1) * chunk) for i in range(per)]
+
+
+def _causal_keep(q_chunk: int, kv_chunk: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """``(chunk, chunk)`` bool, True where the key's global position <= the query's."""
+    q_pos = torch.arange(q_chunk * chunk, (q_chunk + 1) * chunk, device=device)  # global positions
+    kv_pos = torch.arange(kv_chunk * chunk, (kv_chunk + 1) * chunk, device=device)
+    return kv_pos[None, :] <= q_pos[:, None]
+
+
+def _reduce_like(grad: torch.Tensor, like: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A gradient computed for the expanded heads and broadcast batch, summed back to ``like``'s shape."""
+    if group_size > 1:
+        # (..., H, n, E) -> (..., Hkv, H / Hkv, n, E) -> (..., Hkv, n, E): query head h used kv head h // group.
+        grad = grad.unflatten(-3, (-1, group_size)).sum(dim=-3)
+    return grad.sum_to_size(like.shape)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention of the local slices; see `ring_attention`. Shapes in the legend, ``n = L / world``."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, is_causal, scale, enable_gqa, group, layout, rank, world):  # type: ignore[override]
+        compute = torch.promote_types(query.dtype, torch.float32)
+        n = query.shape[-2]
+        slices = _chunk_slices(n, layout)
+        chunk = n // len(slices)
+        schedule = _rank_schedule(rank, world, layout, is_causal)
+        ring = _Ring(group, rank, world)
+        q = query.to(compute)  # (..., H, n, E): the local queries stay here
+        out: list[torch.Tensor | None] = [None] * len(slices)  # per local query chunk: (..., H, chunk, Ev)
+        lse: list[torch.Tensor | None] = [None] * len(slices)  # (..., H, chunk)
+        # The key/value slice this rank holds now, in the input dtype (contiguous: sent as it is).
+        k_cur, v_cur = key.contiguous(), value.contiguous()
+        for step in range(world):
+            if step < world - 1:  # pass the slice on while computing with it
+                requests, (k_next, v_next) = ring.start((k_cur, v_cur), (_TAG_K, _TAG_V))
+                _record(forward_steps=1, forward_bytes=(k_cur.numel() + v_cur.numel()) * k_cur.element_size())
+            k_c, v_c = k_cur.to(compute), v_cur.to(compute)  # (..., Hkv, n, E), (..., Hkv, n, Ev)
+            blocks = [b for b in schedule if b.step == step]
+            if not is_causal:  # every pair is full: one call for the whole slice
+                o, s = scaled_dot_product_attention(q, k_c, v_c, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+                o_parts, s_parts = [o[..., sl, :] for sl in slices], [s[..., sl] for sl in slices]
+                for i in range(len(slices)):
+                    out[i], lse[i] = (o_parts[i], s_parts[i]) if out[i] is None else merge_attention(
+                        out[i], lse[i], o_parts[i], s_parts[i])
+                _record(blocks_full=len(blocks))
+            else:
+                for block in blocks:
+                    _record(**{f"blocks_{block.kind}": 1})
+                    if block.kind == "skipped":
+                        continue
+                    i = _chunk_ids(rank, world, layout).index(block.q_chunk)  # local query chunk
+                    kv_sl = slices[_chunk_ids(block.source, world, layout).index(block.kv_chunk)]
+                    keep = _causal_keep(block.q_chunk, block.kv_chunk, chunk, q.device) if block.kind == "masked" else None
+                    # (..., H, chunk, E) against (..., Hkv, chunk, E): the partial result and its lse.
+                    o, s = scaled_dot_product_attention(q[..., slices[i], :], k_c[..., kv_sl, :], v_c[..., kv_sl, :],
+                                                        keep, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+                    out[i], lse[i] = (o, s) if out[i] is None else merge_attention(out[i], lse[i], o, s)
+            if step < world - 1:
+                _Ring.wait(requests)
+                k_cur, v_cur = k_next, v_next
+        output = torch.cat(out, dim=-2)  # type: ignore[arg-type]  # (..., H, n, Ev), compute dtype
+        row_lse = torch.cat(lse, dim=-1)  # type: ignore[arg-type]  # (..., H, n)
+        ctx.save_for_backward(query, key, value, output, row_lse)
+        ctx.options = (is_causal, scale, enable_gqa, group, layout, rank, world)
+        return output.to(query.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):  # type: ignore[override]
+        query, key, value, output, row_lse = ctx.saved_tensors
+        is_causal, scale, enable_gqa, group, layout, rank, world = ctx.options
+        compute = output.dtype
+        n = query.shape[-2]
+        slices = _chunk_slices(n, layout)
+        chunk = n // len(slices)
+        group_size = _inputs.kv_group(query, key, "key") if enable_gqa else 1
+        schedule = _rank_schedule(rank, world, layout, is_causal)
+        ring = _Ring(group, rank, world)
+        q = query.to(compute)
+        d_o = d_out.to(compute)  # (..., H, n, Ev)
+        # D_i = rowsum(dO * O) = sum_j P_ij dP_ij, the term the softmax backward subtracts: (..., H, n)
+        delta = (d_o * output).sum(dim=-1)
+        # A row with no key has lse = -inf; +inf makes its recomputed weights exp(-inf - inf) = 0, not NaN.
+        lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))
+        dq = torch.zeros(query.shape, dtype=compute, device=query.device)
+        k_cur, v_cur = key.contiguous(), value.contiguous()
+        carried: tuple[torch.Tensor, torch.Tensor] | None = None  # dK/dV of the slice held now, from earlier ranks
+        own: tuple[torch.Tensor, torch.Tensor] | None = None  # this rank's contribution to its own dK/dV
+        for step in range(world):
+            if step < world - 1:
+                kv_requests, (k_next, v_next) = ring.start((k_cur, v_cur), (_TAG_K, _TAG_V))
+                _record(backward_kv_steps=1, backward_kv_bytes=(k_cur.numel() + v_cur.numel()) * k_cur.element_size())
+            k_c, v_c = k_cur.to(compute), v_cur.to(compute)
+            if enable_gqa:  # (..., Hkv, n, E) -> (..., H, n, E) for the block matmuls
+                k_c, v_c = _inputs.expand_kv_heads(q, k_c, "key"), _inputs.expand_kv_heads(q, v_c, "value")
+            dk = torch.zeros(key.shape, dtype=compute, device=key.device)  # this rank's part of the slice's dK
+            dv = torch.zeros(value.shape, dtype=compute, device=value.device)
+            for block in (b for b in schedule if b.step == step and b.kind != "skipped"):
+                q_sl = slices[_chunk_ids(rank, world, layout).index(block.q_chunk)]
+                kv_sl = slices[_chunk_ids(block.source, world, layout).index(block.kv_chunk)]
+                keep = _causal_keep(block.q_chunk, block.kv_chunk, chunk, q.device) if block.kind == "masked" else None
+                q_b, k_b, v_b, do_b = q[..., q_sl, :], k_c[..., kv_sl, :], v_c[..., kv_sl, :], d_o[..., q_sl, :]
+                # FlashAttention-2's backward of one block, with the saved lse of the whole row:
+                # P = exp(S - lse), the block's exact softmax weights: (..., H, chunk, chunk)
+                p = torch.exp(_masked_scores(q_b, k_b, keep, False, scale) - lse[..., q_sl, None])
+                # dV_j += P^T dO_i: (..., H, chunk, chunk) @ (..., H, chunk, Ev) -> (..., H, chunk, Ev)
+                dv[..., kv_sl, :] += _reduce_like(p.transpose(-2, -1) @ do_b, dv[..., kv_sl, :], group_size)
+                # dP = dO_i V_j^T: (..., H, chunk, Ev) @ (..., H, Ev, chunk) -> (..., H, chunk, chunk)
+                dp = do_b @ v_b.transpose(-2, -1)
+                # dS = P * (dP - D_i): the softmax backward
+                ds = p * (dp - delta[..., q_sl, None])
+                # dQ_i += scale dS K_j: (..., H, chunk, chunk) @ (..., H, chunk, E) -> (..., H, chunk, E)
+                dq[..., q_sl, :] += (scale * ds @ k_b).sum_to_size(dq[..., q_sl, :].shape)
+                # dK_j += scale dS^T Q_i: (..., H, chunk, chunk) @ (..., H, chunk, E) -> (..., H, chunk, E)
+                dk[..., kv_sl, :] += _reduce_like(scale * ds.transpose(-2, -1) @ q_b, dk[..., kv_sl, :], group_size)
+            if step == 0:
+                own = (dk, dv)  # kept here: the accumulator of this slice starts at the next rank
+            else:
+                # Add the contributions of the ranks this slice visited before, pass it on, and receive the
+                # accumulator of the slice that arrives next (after the last step: this rank's own).
+                if carried is not None:
+                    dk, dv = dk + carried[0], dv + carried[1]
+                grad_requests, received = ring.start((dk, dv), (_TAG_DK, _TAG_DV))
+                _record(backward_grad_steps=1, backward_grad_bytes=(dk.numel() + dv.numel()) * dk.element_size())
+                _Ring.wait(grad_requests)
+                carried = received  # type: ignore[assignment]
+            if step < world - 1:
+                _Ring.wait(kv_requests)
+                k_cur, v_cur = k_next, v_next
+        dk_total, dv_total = own  # type: ignore[misc]
+        if carried is not None:  # what the other W - 1 ranks added to this rank's slice
+            dk_total, dv_total = dk_total + carried[0], dv_total + carried[1]
+        return (dq.to(query.dtype), dk_total.to(key.dtype), dv_total.to(value.dtype),
+                None, None, None, None, None, None, None)
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    r"""Attention of this rank's query slice over the whole sequence, its keys and values spread over the ranks.
+
+    Equal (up to rounding) to `attention_ref.functional.scaled_dot_product_attention`
+    on the unsharded tensors, sharded back:
+
+        shard(scaled_dot_product_attention(Q, K, V, is_causal=..., scale=..., enable_gqa=...),
+              layout=layout) == ring_attention(shard(Q), shard(K), shard(V), ...)
+
+    At each of ``world`` steps this rank computes its queries against the
+    key/value slice it holds, with ``scaled_dot_product_attention(...,
+    return_lse=True)`` on the chunk pairs that `ring_schedule` lists (a chunk
+    pair entirely in the future is skipped, a diagonal pair computed with a
+    causal mask built from the global positions), and merges the partial result
+    into its running one with `attention_ref.functional.merge_attention`. While
+    it computes, the slice is already on its way to rank ``r + 1`` and the next
+    one arriving from rank ``r - 1``.
+
+    The backward pass is FlashAttention-2's, block by block, with the saved
+    log-sum-exp of the whole row: ``P = exp(S - lse)``, ``dV += P^T dO``,
+    ``dS = P * (dO V^T - D)`` with ``D = rowsum(dO * O)``, ``dQ += scale dS K``,
+    ``dK += scale dS^T Q``. The key/value slices travel the ring again; each
+    slice's dK/dV accumulator starts at the next rank, follows the slice and
+    reaches its owner in one more hop (`CommStats` gives the counts).
+
+    Everything is computed in at least float32 (float32 for float16/bfloat16
+    inputs); the output and the gradients are returned in the input dtype.
+    Every rank must call it with tensors of the same shapes (not checked: a
+    mismatch hangs until the process group's timeout).
+
+    Args:
+        query: ``(..., H, n, E)``, this rank's queries, ``n = L / world``.
+        key: ``(..., H, n, E)``, or ``(..., Hkv, n, E)`` with ``enable_gqa``.
+        value: ``(..., H, n, Ev)``, or ``(..., Hkv, n, Ev)``.
+        is_causal: causal attention over the *global* positions (top-left aligned,
+            as ``torch.nn.functional.scaled_dot_product_attention``).
+        scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
+        enable_gqa: grouped-query attention (``H`` a multiple of ``Hkv``).
+        group: the process group of the ring (``None``: the default group).
+        layout: how the sequence was split (`shard`): ``"zigzag"`` or ``"contiguous"``.
+
+    Returns:
+        ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
+
+    Raises:
+        RuntimeError: no process group is initialised, or this process is not in ``group``.
+        ValueError: shapes that do not fit, query and key slices of different
+            lengths, an odd local length with ``"zigzag"`` (the full length must be a
+            multiple of ``2 * world``), a bad scale or layout.
+        TypeError: non-float inputs or inputs of different dtypes.
+
+    Examples:
+        >>> import os, tempfile, torch, torch.distributed as dist
+        >>> from attention_ref import scaled_dot_product_attention
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+        >>> out = ring_attention(shard(q), shard(k), shard(v), is_causal=True)
+        >>> torch.allclose(unshard(out), scaled_dot_product_attention(q, k, v, is_causal=True))
+        True
+        >>> dist.destroy_process_group()
+    """
+    layout = _check_layout(layout)
+    rank, world = _group_info(group, "ring_attention")
+    query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
+    n = query.shape[-2]
+    if key.shape[-2] != n:
+        raise ValueError(
+            f"ring_attention needs query and key slices of one sequence, the same local length (dim -2): "
+            f"query {fmt_shape(query.shape)} has {n}, key {fmt_shape(key.shape)} has {key.shape[-2]}"
+        )
+    if layout == "zigzag" and n % 2:
+        raise ValueError(
+            f"ring_attention with layout='zigzag' needs the full length to be a multiple of 2 * world = "
+            f"{2 * world} (an even local length, two chunks per rank), got local length {n} "
+            f"(full length {n * world})"
+        )
+    return _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world)
+
+
+# --- local processes --------------------------------------------------------------------------
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), if any."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):  # pragma: no cover - platforms without if_nameindex
+        return None
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def _run_worker(rank: int, world: int, fn: Callable[..., Any], args: tuple[Any, ...], folder: str, timeout: float
+                ) -> None:
+    """The body of one spawned process: join the group, run ``fn``, save its result, leave the group."""
+    loopback = _loopback_interface()
+    if loopback is not None:  # gloo listens on the loopback interface only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the processes share the cores
+    # Rendezvous through a file: no TCP store listening on every interface.
+    store = dist.FileStore(os.path.join(folder, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(folder, f"result_{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes joined by gloo; return their results.
+
+    Each process is started with ``torch.multiprocessing`` (the ``"spawn"``
+    method: a fresh interpreter), joins a gloo process group of ``world_size``
+    ranks (rendezvous through a file in a temporary folder; gloo connects the
+    processes over the loopback interface), runs ``fn``, saves what it returns,
+    and destroys the process group even when ``fn`` raises. Each uses
+    ``cpu_count // world_size`` threads. If a process raises, the others are
+    stopped and the error is raised here; if they have not all finished after
+    ``timeout`` seconds (a rank waiting for one that failed waits at most that
+    long too), they are stopped and ``TimeoutError`` is raised. The new processes
+    import the caller's main module again: in a script, call ``spawn`` under
+    ``if __name__ == "__main__":``.
+
+    Args:
+        fn: a function defined at the top level of an importable module (the
+            new processes import it), called as ``fn(rank, world_size, *args)``;
+            its return value must be picklable (tensors, numbers, dicts, ...).
+        world_size: the number of processes, >= 1.
+        *args: passed to ``fn``; picklable.
+        timeout: seconds for the whole run, and for each collective inside it.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        TypeError: ``fn`` or ``args`` cannot be sent to a new process.
+        ValueError: ``world_size < 1`` or a non-positive timeout.
+        TimeoutError: the processes did not finish in time.
+        RuntimeError: a process exited without a result and without an error.
+        torch.multiprocessing.ProcessRaisedException: a process raised (its traceback is in the message).
+
+    Examples:
+        >>> spawn(demo_worker, 1)[0]["max_error"] < 1e-12    # one process: the ring has one rank
+        True
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    try:
+        pickle.dumps((fn, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(
+            f"spawn needs fn and args that a new process can import and unpickle (fn defined at the top "
+            f"level of a module, not in a notebook cell or a page), got {fn!r}: {error}"
+        ) from None
+    folder = tempfile.mkdtemp(prefix="attention_ref_spawn_")
+    try:
+        context = mp.start_processes(_run_worker, args=(world_size, fn, args, folder, float(timeout)),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.terminate()
+                for process in context.processes:
+                    process.join()
+                raise TimeoutError(f"spawn: the {world_size} processes did not finish within {timeout} s")
+        paths = [os.path.join(folder, f"result_{rank}.pt") for rank in range(world_size)]
+        missing = [rank for rank, path in enumerate(paths) if not os.path.exists(path)]
+        if missing:  # e.g. a process that exited while importing the caller's main module
+            raise RuntimeError(f"spawn: ranks {missing} exited without returning a result")
+        return [torch.load(path, weights_only=False) for path in paths]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is_causal: bool = True
+                ) -> dict[str, Any]:
+    """Ring attention on ``world`` ranks, forward and backward, checked against one process.
+
+    Every rank draws the same full float64 tensors from ``seed`` (``B=1``,
+    ``H=4`` query heads, ``Hkv=2`` key/value heads, ``L = 12 * world``
+    positions, ``E=Ev=8``), takes its part with `shard`, runs `ring_attention`
+    and its backward pass (incoming gradient ``dO`` drawn from the seed too),
+    gathers the output and the gradients with `unshard`, and compares them with
+    `attention_ref.functional.scaled_dot_product_attention` on the full tensors.
+    Run it with `spawn`.
+
+    Args:
+        rank: this process's rank (given by `spawn`).
+        world: the number of ranks (given by `spawn`).
+        seed: the seed of the inputs.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        is_causal: causal attention.
+
+    Returns:
+        A dict: ``"inputs"`` (the full ``q, k, v``), ``"output"`` (the gathered
+        output), ``"grads"`` (the gathered ``dq, dk, dv``), ``"max_error"`` (the
+        largest absolute difference from one process, output and gradients),
+        ``"stats"`` (this rank's `CommStats` as a dict) and ``"positions"`` (the
+        global positions this rank held).
+
+    Examples:
+        >>> import os, tempfile, torch.distributed as dist
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> result = demo_worker(0, 1, 3, "contiguous")     # what one of spawn's processes runs
+        >>> result["output"].shape, result["max_error"] < 1e-12
+        (torch.Size([1, 4, 12, 8]), True)
+        >>> dist.destroy_process_group()
+    """
+    gen = torch.Generator().manual_seed(seed)
+    B, H, Hkv, E = 1, 4, 2, 8
+    L = 12 * world
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v, d_out = draw(B, H, L, E), draw(B, Hkv, L, E), draw(B, Hkv, L, E), draw(B, H, L, E)
+    # this rank's parts: (B, H | Hkv, L / world, E)
+    local = [shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+    with count_communication() as stats:
+        out = ring_attention(*local, is_causal=is_causal, enable_gqa=True,
+                             layout=layout)
+        out.backward(shard(d_out, layout=layout))  # this rank's part of dO
+    # the full output and gradients, on every rank
+    gathered = [unshard(t.detach(), layout=layout)
+                for t in (out, *(x.grad for x in local))]
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = scaled_dot_product_attention(*full, is_causal=is_causal, enable_gqa=True)
+    expected_grads = torch.autograd.grad(expected, full, d_out)
+    error = max((a - b).abs().max().item() for a, b in zip(gathered, (expected, *expected_grads)))
+    return {
+        "inputs": (q, k, v),
+        "output": gathered[0],
+        "grads": tuple(gathered[1:]),
+        "max_error": error,
+        "stats": dataclasses.asdict(stats),
+        "positions": _positions(rank, world, L // world, layout).tolist(),
+    }

@@ -1,0 +1,646 @@
+r"""Attention over a key/value cache: generating text one token at a time.
+
+A decoder generates a sequence token by token. The keys and values of the tokens
+already seen do not change, so they are kept in a *cache* and each step computes
+only the new tokens' query, key and value: one new row of the causal weight
+matrix instead of the whole matrix again.
+
+- `attention_with_kv_cache` is the attention of ``Lq`` new queries against a
+  cache, contiguous or paged; it gathers the valid keys and values and calls the
+  functional core (`attention_ref.functional.scaled_dot_product_attention`)
+  with a mask mod, so it computes the same numbers as every other path.
+- `KVCache` holds ``B`` sequences that advance together, in one contiguous
+  ``(B, Hkv, S_max, E)`` tensor for the keys and one for the values.
+- `PagedKVCache` holds any number of sequences in a pool of fixed-size blocks
+  that each sequence takes as it grows (the paged attention of vLLM,
+  [Kwon et al. 2023](https://arxiv.org/abs/2309.06180)).
+
+Positions are aligned bottom-right, as in FlashAttention's
+``flash_attn_with_kvcache``: ``cache_seqlens[b]`` counts the valid keys of
+sequence ``b``, the new tokens included, and query ``i`` of ``Lq`` sits at
+position ``cache_seqlens[b] - Lq + i``, the last query at the last key.
+
+Shapes use the package legend: ``B`` batch, ``H`` query heads, ``Hkv``
+key/value heads (``H`` a multiple of ``Hkv``: query head ``h`` reads kv head
+``h // (H // Hkv)``), ``Lq`` new queries, ``S`` keys, ``E`` query/key size,
+``Ev`` value size. The caches put heads before positions, ``(..., Hkv, S, E)``,
+like the rest of this package; FlashAttention and vLLM store a paged pool as
+``(num_blocks, block_size, Hkv, E)``, which is ``key_blocks.transpose(1, 2)``.
+
+Examples:
+    >>> import torch
+    >>> from attention_ref.kv_cache import KVCache, attention_with_kv_cache
+    >>> cache = KVCache(batch=1, num_kv_heads=2, max_length=8, head_dim=4)
+    >>> k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)  # 3 tokens, Hkv = 2
+    >>> keys, values = cache.append(k, v)
+    >>> q = torch.randn(1, 6, 3, 4)  # their queries, H = 6
+    >>> out = attention_with_kv_cache(q, cache.key_cache, cache.value_cache,
+    ...                               cache.lengths, is_causal=True)
+    >>> out.shape
+    torch.Size([1, 6, 3, 4])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from attention_ref import mods
+from attention_ref._validation import check_positive_int, fmt_shape, require_tensor
+from attention_ref.functional import scaled_dot_product_attention
+
+__all__ = ["KVCache", "PagedKVCache", "attention_with_kv_cache"]
+
+
+# --- argument checks -----------------------------------------------------------------------------
+
+
+def _float_4d(name: str, value: object, layout: str) -> torch.Tensor:
+    tensor = require_tensor(name, value)
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {tensor.dtype}")
+    if tensor.dim() != 4:
+        raise ValueError(f"{name} must have 4 dims {layout}, got shape {fmt_shape(tensor.shape)}")
+    return tensor
+
+
+def _same_dtype_and_device(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if tensor.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {tensor.dtype}")
+    if tensor.device != ref.device:
+        raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {tensor.device}")
+
+
+def _int_tensor(name: str, value: object, layout: str, shape: tuple[int, ...] | None, dims: int,
+                device: torch.device) -> torch.Tensor:
+    tensor = require_tensor(name, value)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor {layout}, got {tensor.dtype}")
+    if tensor.dim() != dims or (shape is not None and tuple(tensor.shape) != shape):
+        expected = f"{layout} = {fmt_shape(shape)}" if shape is not None else layout
+        raise ValueError(f"{name} must have shape {expected}, got shape {fmt_shape(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} must be on the same device as query ({device}), got {tensor.device}")
+    return tensor
+
+
+def _check_dtype(dtype: object) -> torch.dtype:
+    resolved = torch.get_default_dtype() if dtype is None else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    return resolved
+
+
+# --- the mask --------------------------------------------------------------------------------------
+
+
+def _causal_from_seqlens(cache_seqlens: torch.Tensor, num_queries: int) -> mods.MaskMod:
+    """Bottom-right causal rule per sequence: key ``j`` takes part for query ``i`` of sequence
+    ``b`` when ``j <= i + cache_seqlens[b] - num_queries`` (`attention_ref.mods.causal` with a
+    per-sequence offset: the last query sits at the last valid key)."""
+    offsets = cache_seqlens - num_queries  # (B,): the position of query 0 of each sequence
+
+    def causal_from_seqlens_mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return kv_idx <= q_idx + offsets[b]
+
+    return causal_from_seqlens_mask_mod
+
+
+def _cache_mask(cache_seqlens: torch.Tensor, num_queries: int, is_causal: bool) -> mods.MaskMod:
+    """The keys a query may see: the valid ones (``j < cache_seqlens[b]``), and with
+    ``is_causal`` only those up to its own position."""
+    valid = mods.padding(cache_seqlens)
+    if not is_causal:
+        return valid
+    return mods.and_masks(valid, _causal_from_seqlens(cache_seqlens, num_queries))
+
+
+# --- attention over a cache ------------------------------------------------------------------------
+
+
+def _gather_rows(pool: torch.Tensor, rows: torch.Tensor, B: int, Hkv: int, length: int) -> torch.Tensor:
+    """The listed ``(block, head)`` rows of a paged pool, side by side: ``(B, Hkv, length, E)``.
+
+    One copy of whole ``(block_size, E)`` rows (``index_select``), already in the
+    order of the result, so the last reshape is a view.
+    """
+    # (num_blocks, Hkv, block_size, E) -> (num_blocks * Hkv, block_size, E): a view of a contiguous pool
+    flat = pool.reshape(-1, *pool.shape[2:])
+    # (B * Hkv * n, block_size, E) -> (B, Hkv, n * block_size, E): each head's n blocks end to end
+    return flat.index_select(0, rows).view(B, Hkv, length, pool.shape[3])
+
+
+def attention_with_kv_cache(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    r"""Attention of ``Lq`` new queries per sequence against a key/value cache.
+
+    Equal to ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...,
+    block_table=..., causal=is_causal)`` of FlashAttention (called without new
+    ``k``/``v``), up to the layout of the tensors, and to a full attention pass
+    over each sequence's valid keys: for sequence ``b``, with
+    ``n = cache_seqlens[b]`` and ``K``, ``V`` its first ``n`` keys and values,
+
+    ```python
+    causal = mods.causal(offset=n - Lq) if is_causal else None
+    scaled_dot_product_attention(query[b], K, V, enable_gqa=True, mask_mod=causal)
+    ```
+
+    How it runs: the valid keys and values are gathered into ``(B, Hkv, S, E)``
+    (a view of a contiguous cache; a copy of the blocks of a paged one), with
+    ``S = max(cache_seqlens)``, and the functional core is called once, with the
+    mask mod ``padding(cache_seqlens)`` and, if causal, the bottom-right causal
+    rule of each sequence. Slots past a sequence's length are zeroed in the
+    gathered copy, so stale or uninitialised cache entries (even NaN) cannot
+    reach the output or the gradients.
+
+    Every sequence must hold at least its ``Lq`` new tokens
+    (``cache_seqlens >= Lq``): a shorter one would put queries before the
+    sequence's start, and is refused rather than silently given zeros. A
+    left-padded batch of prompts is prefilled with the core and a padding
+    mask instead (the "KV cache" page shows how).
+
+    Args:
+        query: ``(B, H, Lq, E)``, the new tokens' queries.
+        key_cache: contiguous ``(B, Hkv, S_max, E)``, or with ``block_table``
+            a paged pool ``(num_blocks, Hkv, block_size, E)``.
+        value_cache: ``(B, Hkv, S_max, Ev)``, or ``(num_blocks, Hkv, block_size, Ev)``.
+        cache_seqlens: ``(B,)`` integers, the number of valid keys of each
+            sequence, the new tokens' included.
+        block_table: ``(B, max_blocks)`` integer block indices into the pool:
+            position ``p`` of sequence ``b`` is slot ``p % block_size`` of block
+            ``block_table[b, p // block_size]``. Entries past a sequence's length
+            are not read but must still be valid indices (pad with 0).
+        is_causal: each query sees the keys up to its own position (bottom-right
+            aligned); otherwise every valid key.
+        scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
+        return_weights: also return the attention weights ``(B, H, Lq, S)``
+            over the first ``S = max(cache_seqlens)`` positions, from the same
+            call as the output.
+
+    Returns:
+        ``(B, H, Lq, Ev)`` in ``query``'s dtype, or ``(output, weights)``.
+
+    Raises:
+        TypeError: non-tensor or non-float ``query``/caches, caches of another
+            dtype than ``query``; ``cache_seqlens`` or ``block_table`` not an
+            integer tensor.
+        ValueError: a wrong number of dims or mismatching sizes (batch, heads,
+            ``E``, key and value caches), ``H`` not a multiple of ``Hkv``, a
+            tensor on another device than ``query``; ``cache_seqlens`` negative,
+            longer than the cache (or than ``block_table`` can hold), or shorter
+            than ``Lq`` without ``is_causal``; a ``block_table`` index outside
+            ``[0, num_blocks)``.
+
+    Examples:
+        >>> import torch
+        >>> q = torch.randn(2, 4, 1, 8)  # one new token, H = 4
+        >>> k, v = torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)  # Hkv = 2
+        >>> lengths = torch.tensor([5, 9])  # valid keys of each sequence
+        >>> out = attention_with_kv_cache(q, k, v, lengths, is_causal=True)
+        >>> out.shape
+        torch.Size([2, 4, 1, 8])
+        >>> alone = attention_with_kv_cache(q[:1], k[:1, :, :5], v[:1, :, :5],
+        ...                                 torch.tensor([5]))
+        >>> torch.allclose(out[:1], alone)  # the keys past 5 play no part
+        True
+    """
+    query = _float_4d("query", query, "(B, H, Lq, E)")
+    paged = block_table is not None
+    k_layout = "(num_blocks, Hkv, block_size, E)" if paged else "(B, Hkv, S_max, E)"
+    v_layout = "(num_blocks, Hkv, block_size, Ev)" if paged else "(B, Hkv, S_max, Ev)"
+    key_cache = _float_4d("key_cache", key_cache, k_layout)
+    value_cache = _float_4d("value_cache", value_cache, v_layout)
+    _same_dtype_and_device("key_cache", key_cache, "query", query)
+    _same_dtype_and_device("value_cache", value_cache, "query", query)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    B, H, Lq, E = query.shape
+    Hkv = key_cache.shape[1]
+    if key_cache.shape[-1] != E:
+        raise ValueError(
+            f"key_cache must have the query's size E = {E} (dim -1), got shape {fmt_shape(key_cache.shape)}"
+        )
+    if value_cache.shape[:3] != key_cache.shape[:3]:
+        raise ValueError(
+            f"value_cache must match key_cache in every dim but the last: key_cache has shape "
+            f"{fmt_shape(key_cache.shape)}, value_cache has shape {fmt_shape(value_cache.shape)}"
+        )
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(
+            f"the query heads H = {H} must be a multiple of the key/value heads Hkv (key_cache dim 1), "
+            f"got Hkv = {Hkv}"
+        )
+    if paged:
+        num_blocks, _, block_size, _ = key_cache.shape
+        block_table = _int_tensor("block_table", block_table, "(B, max_blocks)", None, 2, query.device)
+        if block_table.shape[0] != B:
+            raise ValueError(
+                f"block_table must have one row per sequence, (B, max_blocks) with B = {B}, "
+                f"got shape {fmt_shape(block_table.shape)}"
+            )
+        if block_table.numel():
+            low, high = int(block_table.min()), int(block_table.max())
+            if low < 0 or high >= num_blocks:
+                bad = low if low < 0 else high
+                where = (block_table == bad).nonzero()[0].tolist()
+                raise ValueError(
+                    f"block_table must hold block indices in [0, num_blocks) = [0, {num_blocks}), "
+                    f"got {bad} at block_table[{where[0]}, {where[1]}]"
+                )
+        capacity = block_table.shape[1] * block_size
+    else:
+        if key_cache.shape[0] != B:
+            raise ValueError(
+                f"key_cache must have the query's batch B = {B} (dim 0), got shape {fmt_shape(key_cache.shape)}"
+                " (for a paged pool, pass block_table)"
+            )
+        capacity = key_cache.shape[2]
+    cache_seqlens = _int_tensor("cache_seqlens", cache_seqlens, "(B,)", (B,), 1, query.device)
+    S = 0
+    if B:
+        low, S = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if low < 0:
+            raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {low}")
+        if S > capacity:
+            b = int(cache_seqlens.argmax())
+            if paged:
+                raise ValueError(
+                    f"block_table is too short for cache_seqlens: its {block_table.shape[1]} blocks of "
+                    f"{block_size} hold {capacity} positions, cache_seqlens[{b}] = {S}"
+                )
+            raise ValueError(
+                f"cache_seqlens must be at most the cache's length S_max = {capacity} (key_cache dim 2), "
+                f"got cache_seqlens[{b}] = {S}"
+            )
+        if low < Lq:
+            raise ValueError(
+                f"cache_seqlens must be at least the number of new queries Lq = {Lq} (they are "
+                f"counted in it), got a minimum of {low}"
+            )
+
+    if paged:
+        n = -(-S // block_size)  # blocks that hold the first S positions
+        blocks = block_table[:, :n]  # (B, n)
+        heads = torch.arange(Hkv, device=query.device)
+        # Row (block, g) of the pool seen as (num_blocks * Hkv, block_size, E) is block * Hkv + g:
+        # the rows of head g of each sequence's blocks, in order, (B, 1, n) and (1, Hkv, 1) -> (B, Hkv, n)
+        rows = (blocks[:, None, :] * Hkv + heads[None, :, None]).flatten()  # (B * Hkv * n,)
+        keys = _gather_rows(key_cache, rows, B, Hkv, n * block_size)[:, :, :S]  # (B, Hkv, S, E)
+        values = _gather_rows(value_cache, rows, B, Hkv, n * block_size)[:, :, :S]  # (B, Hkv, S, Ev)
+    else:
+        keys, values = key_cache[:, :, :S], value_cache[:, :, :S]  # views (B, Hkv, S, E|Ev)
+    if B and int(cache_seqlens.min()) < S:  # zero the slots past a sequence's length (0 * NaN = NaN)
+        valid = torch.arange(S, device=query.device) < cache_seqlens[:, None]  # (B, S)
+        keep = valid[:, None, :, None]  # (B, 1, S, 1): broadcasts over heads and E
+        keys = torch.where(keep, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+        values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    mask_mod = _cache_mask(cache_seqlens, Lq, is_causal)
+    return scaled_dot_product_attention(query, keys, values, enable_gqa=True, scale=scale, mask_mod=mask_mod,
+                                        return_weights=return_weights)
+
+
+# --- a contiguous cache ---------------------------------------------------------------------------
+
+
+def _check_new(name: str, value: object, batch: int, heads: int, size: int, layout: str,
+               cache: torch.Tensor) -> torch.Tensor:
+    tensor = _float_4d(name, value, layout)
+    if (tensor.shape[0], tensor.shape[1], tensor.shape[3]) != (batch, heads, size):
+        raise ValueError(
+            f"{name} must have shape {layout} = ({batch}, {heads}, Lnew, {size}), got shape "
+            f"{fmt_shape(tensor.shape)}"
+        )
+    _same_dtype_and_device(name, tensor, "the cache", cache)
+    return tensor
+
+
+class KVCache:
+    """A contiguous key/value cache for ``B`` sequences that advance together.
+
+    ``key_cache`` ``(B, Hkv, S_max, E)`` and ``value_cache`` ``(B, Hkv, S_max, Ev)``
+    are allocated once, zero-filled; `append` writes the new tokens' keys and
+    values after the ones already held. Every sequence of the batch holds the
+    same number of tokens (``lengths`` is constant): for sequences of different
+    lengths, write a contiguous cache yourself and pass its ``cache_seqlens``, or
+    use `PagedKVCache`. One cache serves one attention layer; a model keeps one
+    per layer.
+
+    A cache is meant for inference (``torch.no_grad()``): `append` writes in
+    place, which autograd cannot differentiate through across steps.
+
+    Args:
+        batch: ``B``.
+        num_kv_heads: ``Hkv``.
+        max_length: ``S_max``, the most tokens a sequence may hold.
+        head_dim: ``E``.
+        value_dim: ``Ev``; defaults to ``head_dim``.
+        dtype: a floating-point dtype; defaults to torch's default dtype.
+        device: where the tensors live.
+
+    Raises:
+        TypeError: a size that is not an int, a non-float dtype.
+        ValueError: a size that is not positive.
+
+    Examples:
+        >>> cache = KVCache(batch=2, num_kv_heads=1, max_length=4, head_dim=3)
+        >>> keys, values = cache.append(torch.ones(2, 1, 3, 3), torch.ones(2, 1, 3, 3))
+        >>> keys.shape, cache.lengths.tolist()
+        (torch.Size([2, 1, 3, 3]), [3, 3])
+        >>> cache.memory_bytes  # 2 tensors of 2 x 1 x 4 x 3 float32 numbers
+        192
+        >>> more = torch.ones(2, 1, 2, 3)  # 2 more tokens: one too many
+        >>> cache.append(more, more)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: key: appending 2 tokens to a cache holding 3 of max_length = 4 needs 5; ...
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, max_length: int, head_dim: int, *,
+                 value_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        check_positive_int("batch", batch)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        check_positive_int("max_length", max_length)
+        check_positive_int("head_dim", head_dim)
+        value_dim = head_dim if value_dim is None else check_positive_int("value_dim", value_dim)
+        dtype = _check_dtype(dtype)
+        self.key_cache = torch.zeros(batch, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
+        self.value_cache = torch.zeros(batch, num_kv_heads, max_length, value_dim, dtype=dtype, device=device)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """The number of tokens each sequence holds."""
+        return self._length
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` int64: the tokens each sequence holds, the ``cache_seqlens`` of `attention_with_kv_cache`."""
+        return torch.full((self.key_cache.shape[0],), self._length, dtype=torch.long, device=self.key_cache.device)
+
+    @property
+    def max_length(self) -> int:
+        """``S_max``: the most tokens a sequence may hold."""
+        return self.key_cache.shape[2]
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the two tensors, allocated up front for ``max_length`` tokens."""
+        return sum(t.numel() * t.element_size() for t in (self.key_cache, self.value_cache))
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``Lnew`` new tokens of every sequence after the ones held.
+
+        Args:
+            key: ``(B, Hkv, Lnew, E)``, in the cache's dtype and device.
+            value: ``(B, Hkv, Lnew, Ev)``.
+
+        Returns:
+            ``(keys, values)``: views ``(B, Hkv, length, E)`` and
+            ``(B, Hkv, length, Ev)`` of every token held, the new ones included.
+
+        Raises:
+            TypeError: a non-float tensor or another dtype than the cache's.
+            ValueError: wrong shapes, ``key`` and ``value`` of different
+                ``Lnew``, another device, or more tokens than ``max_length``
+                leaves room for (nothing is written then).
+        """
+        B, Hkv, _, E = self.key_cache.shape
+        key = _check_new("key", key, B, Hkv, E, "(B, Hkv, Lnew, E)", self.key_cache)
+        value = _check_new("value", value, B, Hkv, self.value_cache.shape[3], "(B, Hkv, Lnew, Ev)",
+                           self.value_cache)
+        new = key.shape[2]
+        if value.shape[2] != new:
+            raise ValueError(
+                f"key and value must hold the same number of new tokens Lnew (dim 2): key has shape "
+                f"{fmt_shape(key.shape)}, value has shape {fmt_shape(value.shape)}"
+            )
+        start, end = self._length, self._length + new
+        if end > self.max_length:
+            raise ValueError(
+                f"key: appending {new} tokens to a cache holding {start} of max_length = {self.max_length} "
+                f"needs {end}; nothing was written"
+            )
+        self.key_cache[:, :, start:end] = key  # positions start .. end - 1 of every sequence
+        self.value_cache[:, :, start:end] = value
+        self._length = end
+        return self.key_cache[:, :, :end], self.value_cache[:, :, :end]
+
+    def reset(self) -> None:
+        """Forget every token (the tensors are kept and overwritten by the next `append`)."""
+        self._length = 0
+
+    def __repr__(self) -> str:
+        B, Hkv, S_max, E = self.key_cache.shape
+        return (f"KVCache(batch={B}, num_kv_heads={Hkv}, length={self._length}/{S_max}, head_dim={E}, "
+                f"value_dim={self.value_cache.shape[3]}, dtype={self.key_cache.dtype}, "
+                f"memory_bytes={self.memory_bytes})")
+
+
+# --- a paged cache --------------------------------------------------------------------------------
+
+
+class PagedKVCache:
+    """A key/value cache in fixed-size blocks: sequences take blocks from a shared pool as they grow.
+
+    The pool is ``key_blocks`` ``(num_blocks, Hkv, block_size, E)`` and
+    ``value_blocks`` ``(num_blocks, Hkv, block_size, Ev)``, allocated once. A
+    sequence holds a list of block indices, its row of the block table:
+    position ``p`` is slot ``p % block_size`` of its block number
+    ``p // block_size``. A sequence takes a block from the free list only when
+    its last block is full, so it wastes at most ``block_size - 1`` slots, and
+    `free` gives its blocks back for the next sequence (vLLM's paged attention).
+    The pool and `block_table` go to `attention_with_kv_cache` unchanged.
+
+    FlashAttention and vLLM store the pool as ``(num_blocks, block_size, Hkv, E)``:
+    that is ``key_blocks.transpose(1, 2)``.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        num_kv_heads: ``Hkv``.
+        head_dim: ``E``.
+        value_dim: ``Ev``; defaults to ``head_dim``.
+        dtype: a floating-point dtype; defaults to torch's default dtype.
+        device: where the pool lives.
+
+    Raises:
+        TypeError: a size that is not an int, a non-float dtype.
+        ValueError: a size that is not positive.
+
+    Examples:
+        >>> cache = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2)
+        >>> cache.allocate("a"); cache.allocate("b")
+        >>> cache.append(["a", "b"], torch.ones(2, 1, 5, 2), torch.ones(2, 1, 5, 2))
+        >>> cache.block_table(["a", "b"]).tolist(), cache.seqlens(["a", "b"]).tolist()
+        ([[0, 1], [2, 3]], [5, 5])
+        >>> cache.blocks_in_use, cache.num_free_blocks
+        (4, 4)
+        >>> cache.free("a"); cache.num_free_blocks
+        6
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                 value_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        check_positive_int("head_dim", head_dim)
+        value_dim = head_dim if value_dim is None else check_positive_int("value_dim", value_dim)
+        dtype = _check_dtype(dtype)
+        self.key_blocks = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        self.value_blocks = torch.zeros(num_blocks, num_kv_heads, block_size, value_dim, dtype=dtype, device=device)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes block 0 first
+        self._blocks: dict[Hashable, list[int]] = {}  # sequence id -> its block indices, in order
+        self._lengths: dict[Hashable, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.key_blocks.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.key_blocks.shape[2]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by sequences."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of keys and its block of values."""
+        return sum(t[0].numel() * t.element_size() for t in (self.key_blocks, self.value_blocks))
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the whole pool, allocated up front."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes of the blocks held by sequences."""
+        return self.blocks_in_use * self.bytes_per_block
+
+    def _known(self, sequence_id: Hashable) -> None:
+        if sequence_id not in self._blocks:
+            raise ValueError(f"sequence_id {sequence_id!r} is not allocated (call allocate({sequence_id!r}) first)")
+
+    def _ids(self, sequence_ids: Iterable[Hashable]) -> list[Hashable]:
+        if isinstance(sequence_ids, (str, bytes, torch.Tensor)) or not isinstance(sequence_ids, Iterable):
+            raise TypeError(f"sequence_ids must be a list of sequence ids, got {type(sequence_ids).__name__}")
+        ids = list(sequence_ids)
+        for sid in ids:
+            self._known(sid)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sequence_ids must not repeat an id, got {ids}")
+        return ids
+
+    def allocate(self, sequence_id: Hashable) -> None:
+        """Start an empty sequence; it takes blocks as `append` writes to it.
+
+        Raises:
+            ValueError: the id is already in use.
+        """
+        if sequence_id in self._blocks:
+            raise ValueError(f"sequence_id {sequence_id!r} is already allocated (free it first)")
+        self._blocks[sequence_id] = []
+        self._lengths[sequence_id] = 0
+
+    def append(self, sequence_ids: Iterable[Hashable], key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``Lnew`` new tokens of each listed sequence, taking free blocks as needed.
+
+        Args:
+            sequence_ids: ``n`` allocated ids, no repeats.
+            key: ``(n, Hkv, Lnew, E)``, row ``i`` for ``sequence_ids[i]``.
+            value: ``(n, Hkv, Lnew, Ev)``.
+
+        Raises:
+            TypeError: ``sequence_ids`` not a list; a non-float tensor or another
+                dtype than the pool's.
+            ValueError: an id not allocated or repeated, wrong shapes, another device.
+            RuntimeError: the pool has too few free blocks (nothing is written then).
+        """
+        ids = self._ids(sequence_ids)
+        _, Hkv, bs, E = self.key_blocks.shape
+        n = len(ids)
+        key = _check_new("key", key, n, Hkv, E, "(n, Hkv, Lnew, E)", self.key_blocks)
+        value = _check_new("value", value, n, Hkv, self.value_blocks.shape[3], "(n, Hkv, Lnew, Ev)",
+                           self.value_blocks)
+        new = key.shape[2]
+        if value.shape[2] != new:
+            raise ValueError(
+                f"key and value must hold the same number of new tokens Lnew (dim 2): key has shape "
+                f"{fmt_shape(key.shape)}, value has shape {fmt_shape(value.shape)}"
+            )
+        needed = [-(-(self._lengths[sid] + new) // bs) - len(self._blocks[sid]) for sid in ids]
+        if sum(needed) > len(self._free):
+            raise RuntimeError(
+                f"the block pool is full: appending {new} tokens to {n} sequences needs {sum(needed)} more "
+                f"blocks of {bs} tokens, {len(self._free)} of {self.num_blocks} are free; nothing was written "
+                "(free finished sequences, or make a larger pool)"
+            )
+        device = self.key_blocks.device
+        for i, (sid, more) in enumerate(zip(ids, needed)):
+            self._blocks[sid].extend(self._free.pop() for _ in range(more))
+            start = self._lengths[sid]
+            positions = torch.arange(start, start + new, device=device)  # (Lnew,)
+            table = torch.tensor(self._blocks[sid], dtype=torch.long, device=device)
+            block, slot = table[positions // bs], positions % bs  # (Lnew,) each
+            # pool[block[t], :, slot[t]] is token t's (Hkv, E): the indexed dims come first, so the
+            # target is (Lnew, Hkv, E); key[i] is (Hkv, Lnew, E) -> transpose -> (Lnew, Hkv, E)
+            self.key_blocks[block, :, slot] = key[i].transpose(0, 1)
+            self.value_blocks[block, :, slot] = value[i].transpose(0, 1)
+            self._lengths[sid] = start + new
+
+    def block_table(self, sequence_ids: Iterable[Hashable]) -> torch.Tensor:
+        """``(n, max_blocks)`` int64 block indices of the listed sequences, padded with 0.
+
+        ``max_blocks`` is the most blocks any of them holds; the padding is never
+        read (it lies past the sequence's length) but is a valid index.
+        """
+        ids = self._ids(sequence_ids)
+        width = max((len(self._blocks[sid]) for sid in ids), default=0)
+        rows = [self._blocks[sid] + [0] * (width - len(self._blocks[sid])) for sid in ids]
+        return torch.tensor(rows, dtype=torch.long, device=self.key_blocks.device).reshape(len(ids), width)
+
+    def seqlens(self, sequence_ids: Iterable[Hashable]) -> torch.Tensor:
+        """``(n,)`` int64: the tokens each listed sequence holds (``cache_seqlens``)."""
+        ids = self._ids(sequence_ids)
+        return torch.tensor([self._lengths[sid] for sid in ids], dtype=torch.long, device=self.key_blocks.device)
+
+    def free(self, sequence_id: Hashable) -> None:
+        """End a sequence: its blocks go back to the free list (their contents are left as they are).
+
+        Raises:
+            ValueError: the id is not allocated.
+        """
+        self._known(sequence_id)
+        self._free.extend(reversed(self._blocks.pop(sequence_id)))
+        del self._lengths[sequence_id]
+
+    def __repr__(self) -> str:
+        _, Hkv, bs, E = self.key_blocks.shape
+        return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={bs}, num_kv_heads={Hkv}, head_dim={E}, "
+                f"value_dim={self.value_blocks.shape[3]}, dtype={self.key_blocks.dtype}, sequences="
+                f"{len(self._blocks)}, blocks_in_use={self.blocks_in_use})")
