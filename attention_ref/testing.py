@@ -57,7 +57,8 @@ def assert_attention_close(
     ``attn_mask`` added, the boolean conditions (a bool ``attn_mask`` with
     ``True`` = takes part, the opposite of ``torch.nn.MultiheadAttention``;
     ``is_causal``, top-left aligned) set to ``-inf``, softmax, ``@ value``, all in
-    that dtype (a query row with no key gives 0, as the reference does). With
+    that dtype (a query row with no key, whether a bool mask or ``-inf`` in a float
+    mask removed them all, gives 0, as the reference does). With
     ``enable_gqa`` the ``Hkv`` key/value heads are repeated to ``H``. When a
     ``score_mod`` or ``mask_mod`` is given the baseline is instead this package's
     ``"math"`` backend run in the inputs' dtype; that path computes the softmax
@@ -190,14 +191,13 @@ def _low_precision_attention(
     if is_causal:
         causal = causal_mask(L, S, device=query.device)  # (L, S), top-left
         allowed = causal if allowed is None else allowed & causal
-    if allowed is None:
-        weights = torch.softmax(scores, dim=-1)  # in the inputs' dtype
-    else:
-        allowed = allowed.expand(scores.shape)
-        row_has_key = allowed.any(dim=-1, keepdim=True)  # (..., L, 1)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        scores = scores.masked_fill(~row_has_key, 0.0)  # keep empty rows finite
-        weights = torch.softmax(scores, dim=-1).masked_fill(~row_has_key, 0.0)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))  # (L, S) masks broadcast
+    # A row with no finite score (every key masked, by a bool mask or by -inf in a float one)
+    # gives 0, as the reference does; its scores are set finite first so softmax makes no NaN.
+    row_has_key = (scores != float("-inf")).any(dim=-1, keepdim=True)  # (..., L, 1)
+    scores = scores.masked_fill(~row_has_key, 0.0)
+    weights = torch.softmax(scores, dim=-1).masked_fill(~row_has_key, 0.0)  # in the inputs' dtype
     return weights @ value  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
 
 

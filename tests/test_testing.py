@@ -92,6 +92,22 @@ def test_tiled_forward_and_backward_pass(dtype, is_causal):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_a_float_mask_empties_are_judged_not_nan(dtype):
+    """-inf on a whole row of a float mask: the kernel's 0 passes, a wrong row still fails."""
+    q, k, v = make_inputs(dtype)
+    bias = torch.randn(11, 13, generator=torch.Generator().manual_seed(4)).to(dtype)
+    bias[[2, 7]] = -math.inf  # queries 2 and 7 see no key
+    grad_output = torch.randn(2, 3, 11, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out, grads = tiled_with_grads(q, k, v, grad_output, attn_mask=bias)
+    assert torch.equal(out[:, :, [2, 7]], torch.zeros_like(out[:, :, [2, 7]]))
+    assert_attention_close(out, q, k, v, grad_output=grad_output, actual_grads=grads, attn_mask=bias)
+    wrong = out.clone()
+    wrong[:, :, 2] = v.mean(-2)  # a kernel that spreads an empty row evenly over the keys
+    with pytest.raises(AssertionError, match=r"worst position \(\d+, \d+, 2, \d+\)"):
+        assert_attention_close(wrong, q, k, v, attn_mask=bias)
+
+
 def test_float64_kernel_is_judged_by_atol():
     q, k, v = make_inputs(torch.float64)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
