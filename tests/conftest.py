@@ -1,7 +1,19 @@
-"""Shared fixtures for the core tests: PyTorch's reference call and per-dtype tolerances.
+"""Shared fixtures for the core tests: PyTorch's reference call, per-dtype tolerances, the device.
 
 Sizes in the tests are distinct primes (3, 5, 7, 11, 13) wherever the API allows,
 so a swapped axis changes a shape and fails loudly instead of passing by accident.
+
+The device switch: tests that take the ``device`` fixture (the backend, tiled and
+log-sum-exp tests) put their inputs on it. It is ``cpu`` unless ``--device cuda`` is
+given (or ``ATTENTION_REF_TEST_DEVICE=cuda`` is set), so the same tests check every
+path on a GPU::
+
+    python -m pytest tests/test_backends.py tests/test_tiled.py --device cuda
+
+The inputs are still drawn on the CPU from seeded generators and then moved, so a
+test sees the same numbers on either device. A test about CPU behaviour (torch's CPU
+kernel choice, say) is marked ``@pytest.mark.cpu_only("why")`` and skipped on cuda.
+Asking for cuda where ``torch.cuda.is_available()`` is False stops the run at once.
 """
 
 from __future__ import annotations
@@ -19,6 +31,51 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch.nn.functional as F
+
+DEVICES = ("cpu", "cuda")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default=None,
+        help="device for the tests that take the `device` fixture: cpu (default) or cuda; "
+        "the environment variable ATTENTION_REF_TEST_DEVICE sets it too",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cpu_only(reason): a test of CPU behaviour, skipped when --device is cuda"
+    )
+    name = config.getoption("--device") or os.environ.get("ATTENTION_REF_TEST_DEVICE") or "cpu"
+    if name not in DEVICES:
+        raise pytest.UsageError(f"--device must be one of {DEVICES}, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda}); run without --device to test on the CPU"
+        )
+    config.stash[_DEVICE] = name
+
+
+_DEVICE = pytest.StashKey[str]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.stash[_DEVICE] == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else "a test of CPU behaviour"
+            item.add_marker(pytest.mark.skip(reason=f"cpu_only: {reason}"))
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    """The device the inputs go to: ``--device`` / ``ATTENTION_REF_TEST_DEVICE``, else cpu."""
+    return torch.device(pytestconfig.stash[_DEVICE])
 
 # (atol, rtol) for comparing attention_ref with PyTorch in each dtype. float64 is
 # tight: the two compute the same formula, only the order of the roundings differs.

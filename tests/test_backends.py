@@ -9,7 +9,11 @@
 - The ``"auto"`` rule's choices, on CPU tensors and on fake CUDA tensors.
 - Every refusal raises ``ValueError`` naming the backend and the reason.
 - The routing to the Triton kernel under Triton's interpreter (tiny shapes), when
-  triton is installed; the kernel itself is tested in tests/test_triton_flash.py.
+  triton is installed, and compiled on the GPU under ``--device cuda``; the kernel
+  itself is tested in tests/test_triton_flash.py.
+
+Tests that take the ``device`` fixture run on ``--device cuda`` too (tests/conftest.py);
+the inputs are drawn on the CPU and moved, so both devices see the same numbers.
 """
 
 from __future__ import annotations
@@ -77,15 +81,16 @@ def _random_case(seed: int) -> dict:
 SEEDS = list(range(16))
 
 
-def _run_and_grad(backend, case, dtype, seed):
+def _run_and_grad(backend, case, dtype, seed, device):
     gen = torch.Generator().manual_seed(100 + seed)
-    base = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in case["shapes"]]
+    base = [torch.randn(*s, generator=gen, dtype=torch.float64).to(device) for s in case["shapes"]]
     kw = dict(is_causal=case["is_causal"], enable_gqa=case["enable_gqa"], scale=case["scale"])
-    mask = case["mask"]
+    mask = case["mask"] if case["mask"] is None else case["mask"].to(device)
     leaves = [t.to(dtype).requires_grad_() for t in base]
     cast_mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
     out = scaled_dot_product_attention(*leaves, cast_mask, backend=backend, **kw)
-    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    assert out.device == device
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device)
     grads = torch.autograd.grad(out, leaves, g.to(dtype))
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref_mask = cast_mask.double() if cast_mask is not None and cast_mask.is_floating_point() else cast_mask
@@ -97,9 +102,9 @@ def _run_and_grad(backend, case, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("backend", RUNNABLE)
-def test_every_backend_matches_float64_reference(backend, seed, dtype):
+def test_every_backend_matches_float64_reference(backend, seed, dtype, device):
     case = _random_case(seed)
-    out, grads, ref, ref_grads = _run_and_grad(backend, case, dtype, seed)
+    out, grads, ref, ref_grads = _run_and_grad(backend, case, dtype, seed, device)
     atol, rtol = TOL[dtype]
     assert out.dtype == dtype and out.shape == ref.shape, case["desc"]
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol, msg=lambda m: f"{case['desc']}: {m}")
@@ -119,14 +124,15 @@ def test_random_cases_cover_the_features():
 
 
 @pytest.mark.parametrize("backend", RUNNABLE)
-def test_fully_masked_rows_give_zero_and_finite_grads(backend):
-    q, k, v = (torch.randn(2, 3, n, 5, requires_grad=True) for n in (7, 13, 13))
-    mask = torch.rand(2, 1, 7, 13) > 0.3
+def test_fully_masked_rows_give_zero_and_finite_grads(backend, device):
+    q, k, v = (torch.randn(2, 3, n, 5, device=device, requires_grad=True) for n in (7, 13, 13))
+    mask = torch.rand(2, 1, 7, 13, device=device) > 0.3
     mask[:, :, [0, 4]] = False
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, backend=backend)
-    assert torch.equal(out[:, :, [0, 4]], torch.zeros(2, 3, 2, 5))
+    zeros = torch.zeros(2, 3, 2, 5, device=device)
+    assert torch.equal(out[:, :, [0, 4]], zeros)
     out.sum().backward()
-    assert torch.equal(q.grad[:, :, [0, 4]], torch.zeros(2, 3, 2, 5))
+    assert torch.equal(q.grad[:, :, [0, 4]], zeros)
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
@@ -147,44 +153,45 @@ def torch_sdpa_calls(monkeypatch):
     return calls
 
 
-def test_sdpa_gets_4d_inputs_and_one_combined_mask(torch_sdpa_calls):
-    q, k, v = torch.randn(3, 7, 8), torch.randn(3, 13, 8), torch.randn(3, 13, 5)
-    mask = torch.rand(3, 7, 13) > 0.3
+def test_sdpa_gets_4d_inputs_and_one_combined_mask(torch_sdpa_calls, device):
+    q, k, v = (torch.randn(3, n, e, device=device) for n, e in ((7, 8), (13, 8), (13, 5)))
+    mask = torch.rand(3, 7, 13, device=device) > 0.3
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, scale=0.3, backend="sdpa")
     (call,) = torch_sdpa_calls
     assert call["q"].shape == (1, 3, 7, 8) and call["k"].shape == (1, 3, 13, 8)
     # torch refuses attn_mask with is_causal=True: the causal mask is folded into attn_mask,
     # with the same polarity (True = takes part).
     assert call["is_causal"] is False and call["scale"] == 0.3
-    expected = torch.ones(7, 13, dtype=torch.bool).tril() & mask
+    expected = torch.ones(7, 13, dtype=torch.bool, device=device).tril() & mask
     assert torch.equal(call["attn_mask"].expand(1, 3, 7, 13)[0], expected)
     torch.testing.assert_close(out, scaled_dot_product_attention(q, k, v, mask, is_causal=True, scale=0.3))
 
 
-def test_sdpa_keeps_a_key_padding_mask_small(torch_sdpa_calls):
-    q = torch.randn(2, 4, 7, 8)
-    mask = torch.rand(2, 1, 1, 13) > 0.3
-    scaled_dot_product_attention(q, torch.randn(2, 4, 13, 8), torch.randn(2, 4, 13, 8), mask, backend="sdpa")
+def test_sdpa_keeps_a_key_padding_mask_small(torch_sdpa_calls, device):
+    q, k = torch.randn(2, 4, 7, 8, device=device), torch.randn(2, 4, 13, 8, device=device)
+    mask = torch.rand(2, 1, 1, 13, device=device) > 0.3
+    scaled_dot_product_attention(q, k, k, mask, backend="sdpa")
     assert torch_sdpa_calls[0]["attn_mask"].shape == (2, 1, 1, 13)  # no (L, S) copy
 
 
-def test_sdpa_float_mask_with_causal_adds_minus_inf(torch_sdpa_calls):
-    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)
-    bias = torch.randn(5, 7)
+def test_sdpa_float_mask_with_causal_adds_minus_inf(torch_sdpa_calls, device):
+    q, k, v = (torch.randn(1, 2, n, 4, device=device) for n in (5, 7, 7))
+    bias = torch.randn(5, 7, device=device)
     scaled_dot_product_attention(q, k, v, bias, is_causal=True, backend="sdpa")
     got = torch_sdpa_calls[0]["attn_mask"].reshape(5, 7)
-    expected = bias.masked_fill(~torch.ones(5, 7, dtype=torch.bool).tril(), float("-inf"))
+    expected = bias.masked_fill(~torch.ones(5, 7, dtype=torch.bool, device=device).tril(), float("-inf"))
     assert torch.equal(got, expected)
 
 
-def test_sdpa_passes_grouped_heads_without_copying(torch_sdpa_calls):
-    q, k, v = torch.randn(2, 6, 7, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
+def test_sdpa_passes_grouped_heads_without_copying(torch_sdpa_calls, device):
+    q, k, v = (torch.randn(2, h, n, 8, device=device) for h, n in ((6, 7), (2, 13), (2, 13)))
     out = scaled_dot_product_attention(q, k, v, enable_gqa=True, backend="sdpa")
     call = torch_sdpa_calls[0]
     assert call["enable_gqa"] is True and call["k"].shape == (2, 2, 13, 8)
     torch.testing.assert_close(out, scaled_dot_product_attention(q, k, v, enable_gqa=True), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.cpu_only("torch's choice of CPU kernel")
 @pytest.mark.skipif(not hasattr(torch, "_fused_sdp_choice"), reason="torch._fused_sdp_choice not available")
 def test_sdpa_on_3d_cpu_inputs_reaches_torchs_flash_kernel(torch_sdpa_calls):
     # Given 3-D inputs, torch's CPU SDPA would take its math kernel (an (L, S) matrix).
@@ -196,10 +203,10 @@ def test_sdpa_on_3d_cpu_inputs_reaches_torchs_flash_kernel(torch_sdpa_calls):
     assert torch._fused_sdp_choice(q, q, q) != flash  # what the untranslated call would get
 
 
-def test_sdpa_fully_masked_fix_up_path():
+def test_sdpa_fully_masked_fix_up_path(device):
     # The fix-up used off-CPU (unmask empty rows, zero them after) gives the reference, on CPU too.
-    q, k, v = (torch.randn(2, 3, n, 5, dtype=torch.float64, requires_grad=True) for n in (7, 13, 13))
-    for mask in (torch.rand(2, 1, 7, 13) > 0.3, torch.randn(2, 1, 7, 13, dtype=torch.float64)):
+    q, k, v = (torch.randn(2, 3, n, 5, dtype=torch.float64, device=device, requires_grad=True) for n in (7, 13, 13))
+    for mask in (torch.rand(2, 1, 7, 13, device=device) > 0.3, torch.randn(2, 1, 7, 13, dtype=torch.float64, device=device)):
         if mask.dtype == torch.bool:
             mask[:, :, 3] = False
         else:
@@ -213,8 +220,8 @@ def test_sdpa_fully_masked_fix_up_path():
             torch.testing.assert_close(got, want)
 
 
-def test_sdpa_dropout_is_torchs_own():
-    q, k, v = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 13, 8), torch.randn(2, 3, 13, 8)
+def test_sdpa_dropout_is_torchs_own(device):
+    q, k, v = (torch.randn(2, 3, n, 8, device=device) for n in (7, 13, 13))
     torch.manual_seed(0)
     ours = scaled_dot_product_attention(q, k, v, dropout_p=0.4, backend="sdpa")
     torch.manual_seed(0)
@@ -225,7 +232,7 @@ def test_sdpa_dropout_is_torchs_own():
 # --- validation once, errors ------------------------------------------------------------------
 
 
-def test_arguments_are_validated_once(monkeypatch):
+def test_arguments_are_validated_once(monkeypatch, device):
     calls = []
     original = _inputs.prepare
 
@@ -234,7 +241,7 @@ def test_arguments_are_validated_once(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(_inputs, "prepare", counting)
-    q = torch.randn(2, 7, 8)
+    q = torch.randn(2, 7, 8, device=device)
     for backend in RUNNABLE:
         calls.clear()
         scaled_dot_product_attention(q, q, q, backend=backend)
@@ -378,13 +385,13 @@ def test_auto_rule_on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "sdpa", "auto"])
-def test_multihead_backend(backend):
+def test_multihead_backend(backend, device):
     torch.manual_seed(0)
-    ref = MultiHeadAttention(16, 4, num_kv_heads=2)
-    mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend)
+    ref = MultiHeadAttention(16, 4, num_kv_heads=2).to(device)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).to(device)
     mha.load_state_dict(ref.state_dict())
-    x, mem = torch.randn(2, 7, 16), torch.randn(2, 13, 16)
-    pad = torch.rand(2, 1, 1, 13) > 0.2
+    x, mem = torch.randn(2, 7, 16, device=device), torch.randn(2, 13, 16, device=device)
+    pad = torch.rand(2, 1, 1, 13, device=device) > 0.2
     torch.testing.assert_close(mha(x, mem, attn_mask=pad), ref(x, mem, attn_mask=pad), atol=1e-5, rtol=1e-5)
     assert f"backend={backend!r}" in repr(mha)
 
@@ -400,11 +407,12 @@ def test_multihead_backend_errors():
     assert w.shape == (2, 7, 7)
 
 
-# --- routing to the Triton kernel (interpreter, tiny shapes) ------------------------------------
+# --- routing to the Triton kernel (interpreter or GPU, tiny shapes) -----------------------------
 # Triton's interpreter must be on before the kernels are defined, and switching it on in the
 # pytest process would leak into other modules (see tests/test_triton_flash.py). So the routing
-# cases run once in a child process started with TRITON_INTERPRET=1 (this file, run as a
-# script), which prints the largest error of each case as JSON.
+# cases run once in a child process (this file, run as a script), which prints the largest error
+# of each case as JSON: on CPU tensors with TRITON_INTERPRET=1, or, under --device cuda, compiled
+# on the GPU with the variable removed.
 
 ROUTING_CASES = {
     "3-D causal": (((2, 7, 16), (2, 13, 16), (2, 13, 16)), None, dict(is_causal=True)),
@@ -419,21 +427,23 @@ ROUTING_CASES = {
 }
 
 
-def _routing_worker() -> dict:
+def _routing_worker(device: str) -> dict:
     """Each routing case through backend="triton" vs the float64 reference: max errors."""
     results = {}
     for name, (shapes, mask_shape, kw) in ROUTING_CASES.items():
         gen = torch.Generator().manual_seed(3)
-        q, k, v = (torch.randn(*s, generator=gen, requires_grad=True) for s in shapes)
+        q, k, v = (torch.randn(*s, generator=gen).to(device).requires_grad_() for s in shapes)
         mask = None
         if mask_shape is not None:
             mask = torch.rand(*mask_shape, generator=gen) > 0.3
             if "empty" in name:
                 mask[1, 0] = False  # one (batch, head) with every key padded: its rows give 0
+            mask = mask.to(device)
         out = scaled_dot_product_attention(q, k, v, mask, backend="triton", **kw)
+        assert out.device == q.device
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         ref = scaled_dot_product_attention(*leaves, mask, **kw)
-        g = torch.randn(out.shape, generator=gen)
+        g = torch.randn(out.shape, generator=gen).to(device)
         got = torch.autograd.grad(out, (q, k, v), g)
         want = torch.autograd.grad(ref, leaves, g.double())
         results[name] = {
@@ -445,10 +455,12 @@ def _routing_worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def routing_results() -> dict:
+def routing_results(device) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1")
+    if device.type == "cuda":
+        del env["TRITON_INTERPRET"]  # compiled for the GPU
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--triton-routing-worker"],
+        [sys.executable, os.path.abspath(__file__), "--triton-routing-worker", device.type],
         env=env, capture_output=True, text=True, timeout=300,
     )
     if proc.returncode != 0:
@@ -472,4 +484,4 @@ def test_routing_to_triton_matches_reference(routing_results, name):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--triton-routing-worker"]:
-        print(json.dumps(_routing_worker()))
+        print(json.dumps(_routing_worker(sys.argv[2])))

@@ -5,6 +5,8 @@ log-sum-exp that torch's own CPU flash kernel returns; its gradient (it is diffe
 backends that return it) with autograd through ``torch.logsumexp``. `merge_attention` is shown equal
 to attention over the concatenated keys for random splits, masks, fully masked parts and orders
 of merging, outputs and gradients.
+
+Tests that take the ``device`` fixture run on ``--device cuda`` too (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ B, H, HKV, L, S, E, EV = 2, 6, 3, 7, 11, 5, 3
 NEG_INF = float("-inf")
 
 
-def _qkv(L=L, S=S, heads=(H, H), seed=0):
+def _qkv(L=L, S=S, heads=(H, H), seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     shapes = ((B, heads[0], L, E), (B, heads[1], S, E), (B, heads[1], S, EV))
-    return [torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(device).requires_grad_() for s in shapes]
 
 
 def _scores(q, k, keep=None, score_mod=None):
@@ -35,7 +37,8 @@ def _scores(q, k, keep=None, score_mod=None):
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if score_mod is not None:
-        b, h, i, j = (torch.arange(n).view(*([1] * d), n, *([1] * (3 - d))) for d, n in enumerate(s.shape))
+        b, h, i, j = (torch.arange(n, device=s.device).view(*([1] * d), n, *([1] * (3 - d)))
+                      for d, n in enumerate(s.shape))
         s = score_mod(s, b, h, i, j)
     return s if keep is None else s.masked_fill(~keep, NEG_INF)
 
@@ -45,36 +48,36 @@ def _reference_lse(s):
     return torch.logsumexp(s, dim=-1)
 
 
-def _keep(kind, seed=1):
+def _keep(kind, seed=1, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     if kind == "none":
         return None
     if kind == "causal":
-        return torch.ones(L, S, dtype=torch.bool).tril()
+        return torch.ones(L, S, dtype=torch.bool, device=device).tril()
     if kind in ("random with empty rows", "float mask with empty rows"):
         keep = torch.rand(B, 1, L, S, generator=gen) < 0.4
         keep[:, :, 2] = False  # row 2 sees no key at all
-        return keep
+        return keep.to(device)
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("backend", ["math", "tiled", "auto"])
 @pytest.mark.parametrize("kind", ["none", "causal", "random with empty rows", "float mask with empty rows"])
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_lse_equals_logsumexp_of_the_scores_with_gradients(backend, kind, gqa):
-    q, k, v = _qkv(heads=(H, HKV if gqa else H))
-    keep = _keep(kind)
+def test_lse_equals_logsumexp_of_the_scores_with_gradients(backend, kind, gqa, device):
+    q, k, v = _qkv(heads=(H, HKV if gqa else H), device=device)
+    keep = _keep(kind, device=device)
     kwargs = dict(is_causal=True) if kind == "causal" else dict(attn_mask=keep)
     if kind.startswith("float"):  # -inf added to the scores: a gradient flows through the addition
-        kwargs = dict(attn_mask=torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, NEG_INF))
+        kwargs = dict(attn_mask=torch.zeros(keep.shape, dtype=torch.float64, device=device).masked_fill(~keep, NEG_INF))
     out, lse = scaled_dot_product_attention(q, k, v, **kwargs, enable_gqa=gqa, backend=backend, return_lse=True)
     s = _scores(q, k, keep)
     expected = _reference_lse(s)
-    assert lse.shape == (B, H, L) and lse.dtype == torch.float64
+    assert lse.shape == (B, H, L) and lse.dtype == torch.float64 and lse.device == device
     assert torch.equal(torch.isinf(lse), torch.isinf(expected))  # -inf exactly on the empty rows
     torch.testing.assert_close(lse, expected, atol=1e-12, rtol=1e-12)
     # Gradient through both outputs; the reference goes through torch.logsumexp and softmax.
-    weights = torch.rand(L, dtype=torch.float64)  # a different weight per row catches rows mixed up
+    weights = torch.rand(L, dtype=torch.float64, device=device)  # a different weight per row catches rows mixed up
     loss = out.sin().sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * weights).sum()
     grads = torch.autograd.grad(loss, (q, k, v))
     vv = v.repeat_interleave(H // v.shape[1], dim=1)
@@ -86,6 +89,7 @@ def test_lse_equals_logsumexp_of_the_scores_with_gradients(backend, kind, gqa):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.cpu_only("torch's CPU flash kernel is the comparison")
 def test_lse_equals_the_one_torch_flash_kernel_returns():
     q, k, _ = (t.detach().float() for t in _qkv())
     v = torch.randn(k.shape)  # torch's flash kernel needs Ev == E
@@ -95,12 +99,12 @@ def test_lse_equals_the_one_torch_flash_kernel_returns():
 
 
 @pytest.mark.parametrize("backend", ["math", "tiled"])
-def test_lse_sees_the_mods(backend):
-    q, k, v = _qkv()
+def test_lse_sees_the_mods(backend, device):
+    q, k, v = _qkv(device=device)
     score_mod, mask_mod = mods.softcap(0.5), mods.sliding_window(2, offset=S - L)
     _, lse = scaled_dot_product_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend=backend,
                                           return_lse=True)
-    keep = mods.create_mask(mask_mod, B, H, L, S)
+    keep = mods.create_mask(mask_mod, B, H, L, S, device=device)
     torch.testing.assert_close(lse, _reference_lse(_scores(q, k, keep, score_mod)), atol=1e-12, rtol=1e-12)
 
 
@@ -112,8 +116,8 @@ def test_the_tuple_order_with_weights_and_lse():
     torch.testing.assert_close(weights, torch.exp(_scores(q, k) - lse.unsqueeze(-1)), atol=1e-12, rtol=0)
 
 
-def test_half_inputs_give_a_float32_lse():
-    q, k, v = (t.detach().to(torch.bfloat16) for t in _qkv())
+def test_half_inputs_give_a_float32_lse(device):
+    q, k, v = (t.detach().to(torch.bfloat16) for t in _qkv(device=device))
     for backend in ("math", "tiled"):
         out, lse = scaled_dot_product_attention(q, k, v, backend=backend, return_lse=True)
         assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32

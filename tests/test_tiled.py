@@ -7,6 +7,8 @@ axis changes a shape. The memory bound is checked structurally: every tensor an
 aten op produces during forward and backward is recorded, and none may be as large
 as one ``(L, S)`` score matrix per head (the same recorder does see one on the math
 path, so the check can fail).
+
+Tests that take the ``device`` fixture run on ``--device cuda`` too (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -35,21 +37,26 @@ def _reference(q, k, v, mask, **kw):
     return scaled_dot_product_attention(q, k, v, mask, backend="math", **kw)
 
 
-def _inputs(shape_q, shape_k, shape_v, dtype, seed):
+def _inputs(shape_q, shape_k, shape_v, dtype, seed, device):
+    """q, k, v drawn in float64 on the CPU (the same numbers on every device), then moved and cast."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in (shape_q, shape_k, shape_v)]
+    return [
+        torch.randn(*s, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+        for s in (shape_q, shape_k, shape_v)
+    ]
 
 
-def _check(shape_q, shape_k, shape_v, *, mask=None, dtype=torch.float32, block_q=3, block_k=5, seed=0, **kw):
+def _check(shape_q, shape_k, shape_v, *, device, mask=None, dtype=torch.float32, block_q=3, block_k=5, seed=0, **kw):
     """Tiled output and gradients (q, k, v and a float mask) equal the float64 reference."""
-    q, k, v = _inputs(shape_q, shape_k, shape_v, dtype, seed)
+    q, k, v = _inputs(shape_q, shape_k, shape_v, dtype, seed, device)
+    mask = None if mask is None else mask.to(device)
     mask_grad = mask is not None and mask.is_floating_point()
     if mask_grad:
         mask = mask.to(dtype).requires_grad_()
     out = tiled_attention(q, k, v, mask, block_q=block_q, block_k=block_k, **kw)
-    assert out.dtype == dtype
+    assert out.dtype == dtype and out.device == device
     leaves = [q, k, v] + ([mask] if mask_grad else [])
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(device)
     grads = torch.autograd.grad(out, leaves, g.to(dtype))
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref_mask = ref_leaves[3] if mask_grad else mask
@@ -79,8 +86,8 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_matches_reference_without_mask(case, dtype):
-    _check(**CASES[case], dtype=dtype)
+def test_matches_reference_without_mask(case, dtype, device):
+    _check(**CASES[case], dtype=dtype, device=device)
 
 
 def _bool_mask(shape, seed, empty_rows=()):
@@ -106,47 +113,50 @@ MASKS = {
 @pytest.mark.parametrize("is_causal", [False, True], ids=["mask", "causal+mask"])
 @pytest.mark.parametrize("name", list(MASKS), ids=list(MASKS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=str)
-def test_matches_reference_with_masks(name, is_causal, dtype):
+def test_matches_reference_with_masks(name, is_causal, dtype, device):
     mask = MASKS[name]()
-    _check((2, 3, 7, 5), (2, 3, 13, 5), (2, 3, 13, 11), mask=mask, dtype=dtype, is_causal=is_causal, block_q=4, block_k=6)
+    _check((2, 3, 7, 5), (2, 3, 13, 5), (2, 3, 13, 11), mask=mask, dtype=dtype, is_causal=is_causal, block_q=4,
+           block_k=6, device=device)
 
 
-def test_gqa_with_head_dependent_mask():
+def test_gqa_with_head_dependent_mask(device):
     # A mask that differs per query head must reach the right head of each group.
     mask = _bool_mask((1, 6, 7, 13), 8, empty_rows=(3,))
-    _check((1, 6, 7, 5), (1, 2, 13, 5), (1, 2, 13, 3), mask=mask, enable_gqa=True, dtype=torch.float64)
+    _check((1, 6, 7, 5), (1, 2, 13, 5), (1, 2, 13, 3), mask=mask, enable_gqa=True, dtype=torch.float64, device=device)
 
 
-def test_fully_masked_rows_are_zero_with_zero_grad():
-    q, k, v = _inputs((2, 7, 5), (2, 13, 5), (2, 13, 3), torch.float32, 9)
-    mask = _bool_mask((2, 7, 13), 9, empty_rows=(1, 5))
+def test_fully_masked_rows_are_zero_with_zero_grad(device):
+    q, k, v = _inputs((2, 7, 5), (2, 13, 5), (2, 13, 3), torch.float32, 9, device)
+    mask = _bool_mask((2, 7, 13), 9, empty_rows=(1, 5)).to(device)
     out = tiled_attention(q, k, v, mask, block_q=2, block_k=4)
-    assert torch.equal(out[:, [1, 5]], torch.zeros(2, 2, 3))
+    assert torch.equal(out[:, [1, 5]], torch.zeros(2, 2, 3, device=device))
     out.sum().backward()
-    assert torch.equal(q.grad[:, [1, 5]], torch.zeros(2, 2, 5))
+    assert torch.equal(q.grad[:, [1, 5]], torch.zeros(2, 2, 5, device=device))
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def test_empty_sequences():
-    q, k, v = torch.randn(2, 7, 5), torch.randn(2, 0, 5), torch.randn(2, 0, 3)
-    assert torch.equal(tiled_attention(q, k, v), torch.zeros(2, 7, 3))  # S = 0: every row empty
-    assert tiled_attention(torch.randn(2, 0, 5), torch.randn(2, 13, 5), torch.randn(2, 13, 3)).shape == (2, 0, 3)
+def test_empty_sequences(device):
+    q, k, v = (torch.randn(2, n, e, device=device) for n, e in ((7, 5), (0, 5), (0, 3)))
+    assert torch.equal(tiled_attention(q, k, v), torch.zeros(2, 7, 3, device=device))  # S = 0: every row empty
+    q, k, v = (torch.randn(2, n, e, device=device) for n, e in ((0, 5), (13, 5), (13, 3)))
+    assert tiled_attention(q, k, v).shape == (2, 0, 3)
 
 
-def test_hand_computable_case_one_key_per_block():
+def test_hand_computable_case_one_key_per_block(device):
     # q = [0, sqrt 2], k = I: scores [0, 1] -> weights [1, e] / (1 + e), one key per block.
-    q = torch.tensor([[0.0, 2.0**0.5]], dtype=torch.float64)
-    out = tiled_attention(q, torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64), block_q=1, block_k=1)
-    expected = torch.tensor([[1.0, math.e]], dtype=torch.float64) / (1 + math.e)
+    q = torch.tensor([[0.0, 2.0**0.5]], dtype=torch.float64, device=device)
+    eye = torch.eye(2, dtype=torch.float64, device=device)
+    out = tiled_attention(q, eye, eye, block_q=1, block_k=1)
+    expected = torch.tensor([[1.0, math.e]], dtype=torch.float64, device=device) / (1 + math.e)
     torch.testing.assert_close(out, expected, atol=1e-15, rtol=0)
 
 
-def test_rescaling_when_the_running_max_jumps():
+def test_rescaling_when_the_running_max_jumps(device):
     # Scores grow by ~1000 from one key block to the next: without the running-max
     # rescaling exp() overflows, and with a stale max the early blocks would dominate.
-    q = torch.tensor([[1.0]], dtype=torch.float64)
-    k = torch.tensor([[0.0], [1.0], [500.0], [1000.0], [999.0]], dtype=torch.float64)
-    v = torch.arange(5, dtype=torch.float64).unsqueeze(-1)
+    q = torch.tensor([[1.0]], dtype=torch.float64, device=device)
+    k = torch.tensor([[0.0], [1.0], [500.0], [1000.0], [999.0]], dtype=torch.float64, device=device)
+    v = torch.arange(5, dtype=torch.float64, device=device).unsqueeze(-1)
     out = tiled_attention(q, k, v, scale=1.0, block_k=2)
     ref = scaled_dot_product_attention(q, k, v, scale=1.0)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
@@ -176,7 +186,7 @@ def _exact_steps(fn) -> int:
 
 @pytest.mark.parametrize(("jump", "exact_steps"), [(0.0, 1), (20.0, 1), (28.0, 1), (33.0, 2), (200.0, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_lazy_step_keeps_the_old_max_up_to_its_bound(jump, exact_steps, dtype):
+def test_lazy_step_keeps_the_old_max_up_to_its_bound(jump, exact_steps, dtype, device):
     # Keys 0-3 score about 0, keys 4-7 about `jump` (in powers of 2, i.e. log2 units after the
     # package's log2(e) factor). While the block's weights against the old max sum to at most
     # 2**_LAZY_GROWTH = 2**32 (4 keys of 2**28 do), they are summed as they are, no second max
@@ -186,20 +196,21 @@ def test_lazy_step_keeps_the_old_max_up_to_its_bound(jump, exact_steps, dtype):
     k = torch.randn(8, 2, generator=gen, dtype=torch.float64).to(dtype) * 0.1
     k[4:] += jump * math.log(2.0) / 2  # q . k grows by jump * ln 2 nats = jump powers of 2
     v = torch.randn(8, 3, generator=gen, dtype=dtype)
+    q, k, v = q.to(device), k.to(device), v.to(device)
     out = tiled_attention(q, k, v, scale=1.0, block_k=4)
     ref = scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=1.0)
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
     assert _exact_steps(lambda: tiled_attention(q, k, v, scale=1.0, block_k=4)) == exact_steps
 
 
-def test_lazy_step_runs_on_every_block_after_the_first():
+def test_lazy_step_runs_on_every_block_after_the_first(device):
     # Random scores never jump by 2**32: one exact step per query block, every other block lazy.
-    q, k, v = (torch.randn(2, n, 8) for n in (12, 40, 40))
+    q, k, v = (torch.randn(2, n, 8, device=device) for n in (12, 40, 40))
     assert _exact_steps(lambda: tiled_attention(q, k, v, block_q=6, block_k=8)) == 2  # 2 query blocks x 5 key blocks
     assert _exact_steps(lambda: tiled_attention(q, k, v, is_causal=True, block_q=6, block_k=4)) == 2
 
 
-def test_rows_without_a_key_in_the_first_block_take_exact_steps():
+def test_rows_without_a_key_in_the_first_block_take_exact_steps(device):
     # Left padding: the first key block is masked for query 0, and its remaining scores are about
     # -300 nats: a shift of 0 (the lazy step's value for a row with no max yet) would underflow
     # every weight to 0. Such rows keep the exact step until they have seen a key.
@@ -208,34 +219,35 @@ def test_rows_without_a_key_in_the_first_block_take_exact_steps():
     v = torch.randn(9, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[0, :3] = False
+    q, k, v, mask = q.to(device), k.to(device), v.to(device), mask.to(device)
     out = tiled_attention(q, k, v, mask, scale=1.0, block_k=3)
     ref = scaled_dot_product_attention(q, k, v, mask, scale=1.0)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     assert _exact_steps(lambda: tiled_attention(q, k, v, mask, scale=1.0, block_k=3)) == 2
 
 
-def test_no_lazy_attempt_while_a_row_has_seen_no_key():
+def test_no_lazy_attempt_while_a_row_has_seen_no_key(device):
     # Row 1 may attend to no key at all (a padded query). A lazy attempt against its max of -inf
     # could only fail (its shift is +inf) and cost a block's matmul and exp for nothing: every
     # block takes the exact step at once, one exp2 per key block.
-    q, k, v = torch.randn(2, 4), torch.randn(9, 4), torch.randn(9, 2)
-    mask = torch.ones(2, 9, dtype=torch.bool)
+    q, k, v = torch.randn(2, 4, device=device), torch.randn(9, 4, device=device), torch.randn(9, 2, device=device)
+    mask = torch.ones(2, 9, dtype=torch.bool, device=device)
     mask[1] = False
     with _StepCounter() as counter:
         out = tiled_attention(q, k, v, mask, block_k=3)
     assert (counter.amax, counter.exp2) == (3, 3)
-    assert torch.equal(out[1], torch.zeros(2))
+    assert torch.equal(out[1], torch.zeros(2, device=device))
     with _StepCounter() as counter:  # without the padded row: one exact step, then lazy ones
         tiled_attention(q[:1], k, v, mask[:1], block_k=3)
     assert (counter.amax, counter.exp2) == (1, 3)
 
 
-def test_gradcheck_float64():
+def test_gradcheck_float64(device):
     gen = torch.Generator().manual_seed(11)
-    q = torch.randn(1, 2, 5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    k = torch.randn(1, 1, 7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(1, 1, 7, 2, dtype=torch.float64, generator=gen, requires_grad=True)
-    bias = torch.randn(5, 7, dtype=torch.float64, generator=gen, requires_grad=True)
+    q, k, v, bias = (
+        torch.randn(*shape, dtype=torch.float64, generator=gen).to(device).requires_grad_()
+        for shape in ((1, 2, 5, 3), (1, 1, 7, 3), (1, 1, 7, 2), (5, 7))
+    )
 
     def fn(q, k, v, bias):
         return tiled_attention(q, k, v, bias, is_causal=True, enable_gqa=True, block_q=2, block_k=3)
@@ -243,18 +255,18 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (q, k, v, bias))
 
 
-def test_non_contiguous_inputs():
-    x = torch.randn(2, 13, 3, 5)  # (B, S, H, E): heads split like multi-head attention does
+def test_non_contiguous_inputs(device):
+    x = torch.randn(2, 13, 3, 5, device=device)  # (B, S, H, E): heads split like multi-head attention does
     q, k, v = x[:, :7].transpose(1, 2), x.transpose(1, 2), x.transpose(1, 2)
     ref = scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(tiled_attention(q, k, v, is_causal=True, block_q=4, block_k=4), ref, atol=2e-6, rtol=1e-5)
 
 
-def test_double_backward_is_refused():
+def test_double_backward_is_refused(device):
     # The blockwise backward is not differentiable: a second derivative raises, never silently 0.
-    q = torch.randn(1, 7, 5, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(1, 7, 5, dtype=torch.float64, device=device, requires_grad=True)
     out = tiled_attention(q, q, q, block_q=3, block_k=3)
-    w = torch.randn(out.shape, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(out.shape, dtype=torch.float64, device=device, requires_grad=True)
     (g,) = torch.autograd.grad(out, q, w, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         g.sum().backward()
@@ -309,20 +321,21 @@ class _ShapeRecorder(TorchDispatchMode):
         return out
 
 
-def _record(fn) -> list[tuple[str, tuple[int, ...]]]:
+def _record(fn, device) -> list[tuple[str, tuple[int, ...]]]:
     B, H, L, S, E = 1, 2, 96, 80, 4
     gen = torch.Generator().manual_seed(12)
-    q, k, v = (torch.randn(B, H, n, E, generator=gen, requires_grad=True) for n in (L, S, S))
-    mask = torch.rand(L, S, generator=gen) > 0.3  # the user's own (L, S) mask: an input, not recorded
+    q, k, v = (torch.randn(B, H, n, E, generator=gen).to(device).requires_grad_() for n in (L, S, S))
+    mask = (torch.rand(L, S, generator=gen) > 0.3).to(device)  # the user's own (L, S) mask: an input, not recorded
     with _ShapeRecorder() as rec:
         out = fn(q, k, v, mask)
         out.backward(torch.ones_like(out))
     return rec.shapes
 
 
-def test_tiled_never_allocates_a_score_matrix():
+def test_tiled_never_allocates_a_score_matrix(device):
     block_q, block_k = 16, 32
-    shapes = _record(lambda q, k, v, m: tiled_attention(q, k, v, m, is_causal=True, block_q=block_q, block_k=block_k))
+    shapes = _record(lambda q, k, v, m: tiled_attention(q, k, v, m, is_causal=True, block_q=block_q, block_k=block_k),
+                     device)
     H, L, S, E = 2, 96, 80, 4
     largest = max(math.prod(s) for _, s in shapes)
     # Nothing bigger than one block of scores per head or one input: no (L, S) matrix.
@@ -335,7 +348,7 @@ def test_tiled_never_allocates_a_score_matrix():
     assert (H, block_q, block_k) in score_blocks
 
 
-def test_the_recorder_sees_the_math_paths_score_matrix():
+def test_the_recorder_sees_the_math_paths_score_matrix(device):
     # The same check fails on the reference path: it is not vacuous.
-    shapes = _record(lambda q, k, v, m: scaled_dot_product_attention(q, k, v, m, is_causal=True))
+    shapes = _record(lambda q, k, v, m: scaled_dot_product_attention(q, k, v, m, is_causal=True), device)
     assert [s for _, s in shapes if s[-2:] == (96, 80) and math.prod(s) >= 2 * 96 * 80]

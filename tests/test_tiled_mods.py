@@ -6,6 +6,9 @@ blocks that no query block reaches hold NaN and the result is still exact (a blo
 were read would turn it into NaN); the number of score blocks computed forward and
 backward equals the number of non-empty blocks; and a mask mod is evaluated only on
 the partial blocks (a block it keeps whole never calls it).
+
+Tests that take the ``device`` fixture run on ``--device cuda`` too (tests/conftest.py):
+inputs are drawn on the CPU and moved, and the tensors a mod closes over are made there.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from attention_ref.tiled import BlockMask, create_block_mask, tiled_attention
 B, H, HKV, L, S, E, EV = 2, 6, 3, 37, 41, 8, 5
 
 
-def _qkv(L=L, S=S, heads=(H, H), seed=0, dtype=torch.float64):
+def _qkv(L=L, S=S, heads=(H, H), seed=0, dtype=torch.float64, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     shapes = ((B, heads[0], L, E), (B, heads[1], S, E), (B, heads[1], S, EV))
-    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_() for s in shapes]
 
 
 def _doc_ids(length, seed):
@@ -33,64 +36,68 @@ def _doc_ids(length, seed):
     return torch.randint(0, 4, (B, length), generator=gen).sort(dim=-1).values
 
 
-CASES = {
-    "window": dict(mask_mod=mods.sliding_window(5)),
-    "window both sides, bottom-right": dict(mask_mod=mods.sliding_window(3, 2, offset=S - L)),
-    "causal mod and is_causal": dict(mask_mod=mods.causal(S - L), is_causal=True),
-    "chunked": dict(mask_mod=mods.chunked(8)),
-    "prefix_lm": dict(mask_mod=mods.prefix_lm(torch.tensor([3, 11]))),
-    "document": dict(mask_mod=mods.document(_doc_ids(L, 1), _doc_ids(S, 2))),
-    "padding or window": dict(mask_mod=mods.or_masks(mods.padding(torch.tensor([4, 0])), mods.sliding_window(2))),
-    "softcap": dict(score_mod=mods.softcap(1.5)),
-    "alibi causal": dict(score_mod=mods.alibi(H), is_causal=True),
-    "alibi symmetric, window": dict(score_mod=mods.alibi(H, symmetric=True), mask_mod=mods.sliding_window(4, 4)),
-    "softcap, chunked, float mask": dict(score_mod=mods.softcap(2.0), mask_mod=mods.chunked(16), float_mask=True),
-    "compose, bool mask": dict(score_mod=mods.compose(mods.alibi(H), mods.softcap(3.0)),
-                               mask_mod=mods.sliding_window(None, 3), bool_mask=True),
-}
+def _cases(device="cpu"):
+    """The mod cases; the tensors a mod closes over live on ``device``, as the indices it gets."""
+    return {
+        "window": dict(mask_mod=mods.sliding_window(5)),
+        "window both sides, bottom-right": dict(mask_mod=mods.sliding_window(3, 2, offset=S - L)),
+        "causal mod and is_causal": dict(mask_mod=mods.causal(S - L), is_causal=True),
+        "chunked": dict(mask_mod=mods.chunked(8)),
+        "prefix_lm": dict(mask_mod=mods.prefix_lm(torch.tensor([3, 11], device=device))),
+        "document": dict(mask_mod=mods.document(_doc_ids(L, 1).to(device), _doc_ids(S, 2).to(device))),
+        "padding or window": dict(mask_mod=mods.or_masks(mods.padding(torch.tensor([4, 0], device=device)),
+                                                         mods.sliding_window(2))),
+        "softcap": dict(score_mod=mods.softcap(1.5)),
+        "alibi causal": dict(score_mod=mods.alibi(H), is_causal=True),
+        "alibi symmetric, window": dict(score_mod=mods.alibi(H, symmetric=True), mask_mod=mods.sliding_window(4, 4)),
+        "softcap, chunked, float mask": dict(score_mod=mods.softcap(2.0), mask_mod=mods.chunked(16), float_mask=True),
+        "compose, bool mask": dict(score_mod=mods.compose(mods.alibi(H), mods.softcap(3.0)),
+                                   mask_mod=mods.sliding_window(None, 3), bool_mask=True),
+    }
 
 
-def _attn_mask(case, seed=3):
+def _attn_mask(case, device, seed=3):
     gen = torch.Generator().manual_seed(seed)
     if case.get("float_mask"):
-        return torch.randn(L, S, generator=gen, dtype=torch.float64).requires_grad_()
+        return torch.randn(L, S, generator=gen, dtype=torch.float64).to(device).requires_grad_()
     if case.get("bool_mask"):
-        return torch.rand(B, 1, L, S, generator=gen) > 0.2
+        return (torch.rand(B, 1, L, S, generator=gen) > 0.2).to(device)
     return None
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", list(_cases()))
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_outputs_and_gradients_equal_the_reference(name, gqa):
-    case = CASES[name]
+def test_outputs_and_gradients_equal_the_reference(name, gqa, device):
+    case = _cases(device)[name]
     kw = {k: v for k, v in case.items() if k not in ("float_mask", "bool_mask")}
-    q, k, v = _qkv(heads=(H, HKV if gqa else H))
-    mask = _attn_mask(case)
+    q, k, v = _qkv(heads=(H, HKV if gqa else H), device=device)
+    mask = _attn_mask(case, device)
     leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
     out = tiled_attention(q, k, v, mask, enable_gqa=gqa, block_q=8, block_k=6, **kw)
     ref = scaled_dot_product_attention(q, k, v, mask, enable_gqa=gqa, **kw)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    assert out.device == device
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(device)
     for got, want in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g)):
         torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-9)
 
 
-def test_float32_within_the_tolerance_of_the_dense_path():
-    q, k, v = (t.detach() for t in _qkv(dtype=torch.float32))
+def test_float32_within_the_tolerance_of_the_dense_path(device):
+    q, k, v = (t.detach() for t in _qkv(dtype=torch.float32, device=device))
     kw = dict(mask_mod=mods.sliding_window(7), score_mod=mods.softcap(2.0))
     out = tiled_attention(q, k, v, block_q=8, block_k=6, **kw)
     ref = scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
-def test_gradcheck_with_a_score_mod_and_a_mask_mod():
-    q, k, v = (t.detach()[:1, :2, :7].clone().requires_grad_() for t in _qkv(L=9, S=9))
+def test_gradcheck_with_a_score_mod_and_a_mask_mod(device):
+    q, k, v = (t.detach()[:1, :2, :7].clone().requires_grad_() for t in _qkv(L=9, S=9, device=device))
     kw = dict(score_mod=mods.softcap(0.7), mask_mod=mods.sliding_window(2, 1), block_q=3, block_k=2)
     assert torch.autograd.gradcheck(lambda q, k, v: tiled_attention(q, k, v, **kw), (q, k, v))
 
 
-def test_rows_outside_every_window_give_zero_and_finite_gradients():
-    q, k, v = _qkv(L=7, S=5)
+def test_rows_outside_every_window_give_zero_and_finite_gradients(device):
+    q, k, v = _qkv(L=7, S=5, device=device)
     mask_mod = mods.sliding_window(0, 0, offset=2)  # query i sees key i + 2 only: rows 3..6 see none
     out = tiled_attention(q, k, v, mask_mod=mask_mod, block_q=2, block_k=2)
     assert torch.equal(out[..., 3:, :], torch.zeros_like(out[..., 3:, :]))
@@ -102,17 +109,17 @@ def test_rows_outside_every_window_give_zero_and_finite_gradients():
 # --- block skipping ---------------------------------------------------------------------------
 
 
-def _band_setup(block_q=4, block_k=4):
+def _band_setup(device, block_q=4, block_k=4):
     """A narrow window, and keys that no query block reaches set to NaN."""
     Lb = Sb = 32
     mask_mod = mods.sliding_window(3)
-    bm = create_block_mask(mask_mod, None, None, Lb, Sb, block_q=block_q, block_k=block_k)
-    q, k, v = (t.detach() for t in _qkv(L=Lb, S=Sb))
+    bm = create_block_mask(mask_mod, None, None, Lb, Sb, block_q=block_q, block_k=block_k, device=device)
+    q, k, v = (t.detach() for t in _qkv(L=Lb, S=Sb, device=device))
     return mask_mod, bm, q, k, v
 
 
-def test_blocks_outside_the_mask_are_never_read():
-    mask_mod, bm, q, k, v = _band_setup()
+def test_blocks_outside_the_mask_are_never_read(device):
+    mask_mod, bm, q, k, v = _band_setup(device)
     ref = scaled_dot_product_attention(q, k, v, mask_mod=mask_mod)
     # Plant NaN in the keys and values of every key block that query block 4 never needs, and
     # in the queries of the other query blocks; a block computed anyway would spread the NaN.
@@ -144,8 +151,8 @@ def _count_blocks(monkeypatch):
     return calls
 
 
-def test_score_blocks_computed_are_the_non_empty_ones(monkeypatch):
-    mask_mod, bm, q, k, v = _band_setup()
+def test_score_blocks_computed_are_the_non_empty_ones(monkeypatch, device):
+    mask_mod, bm, q, k, v = _band_setup(device)
     calls = _count_blocks(monkeypatch)
     q.requires_grad_()
     out = tiled_attention(q, k, v, mask_mod=mask_mod, block_mask=bm, block_q=4, block_k=4)
@@ -159,7 +166,7 @@ def test_score_blocks_computed_are_the_non_empty_ones(monkeypatch):
     assert sorted((i0, j0) for i0, j0, _ in calls) == expected  # one recomputation per non-empty block
 
 
-def test_the_mask_mod_runs_only_on_partial_blocks():
+def test_the_mask_mod_runs_only_on_partial_blocks(device):
     evaluated = []
     window = mods.sliding_window(9)
 
@@ -167,11 +174,11 @@ def test_the_mask_mod_runs_only_on_partial_blocks():
         evaluated.append((int(q_idx.min()), int(kv_idx.min()), q_idx.numel(), kv_idx.numel()))
         return window(b, h, q_idx, kv_idx)
 
-    bm = create_block_mask(counting_mod, None, None, 32, 32, block_q=4, block_k=4)
+    bm = create_block_mask(counting_mod, None, None, 32, 32, block_q=4, block_k=4, device=device)
     assert len(evaluated) == 8  # one strip of 4 query rows against every key, per query block
     assert bm.counts()["full"] > 0
     evaluated.clear()
-    q, k, v = (t.detach().requires_grad_() for t in _qkv(L=32, S=32))
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(L=32, S=32, device=device))
     tiled_attention(q, k, v, block_mask=bm, block_q=4, block_k=4).sum().backward()
     partial = [(qi * 4, kj * 4) for qi, row in enumerate(bm.kinds.tolist()) for kj, kind in enumerate(row) if kind == 1]
     blocks = [(i0, j0) for i0, j0, nq, nk in evaluated]
@@ -259,8 +266,8 @@ def test_repr_and_fraction():
 # --- the dispatcher ---------------------------------------------------------------------------
 
 
-def test_backend_tiled_takes_the_mods():
-    q, k, v = (t.detach() for t in _qkv())
+def test_backend_tiled_takes_the_mods(device):
+    q, k, v = (t.detach() for t in _qkv(device=device))
     kw = dict(mask_mod=mods.sliding_window(4, 1), score_mod=mods.softcap(2.5))
     torch.testing.assert_close(scaled_dot_product_attention(q, k, v, backend="tiled", **kw),
                                scaled_dot_product_attention(q, k, v, **kw), atol=1e-12, rtol=1e-10)
