@@ -8,8 +8,8 @@ judge a kernel against what plain PyTorch achieves in the same precision:
 1. ``reference``: attention in float64 (this package's
    `attention_ref.functional.scaled_dot_product_attention`, ``backend="math"``);
 2. ``low_precision``: plain PyTorch attention in the inputs' own dtype, with no
-   upcasting anywhere (scores, softmax and the product with ``value`` all in that
-   dtype: FlashAttention's ``upcast=False``);
+   upcasting anywhere (scores, a ``score_mod``, softmax and the product with
+   ``value`` all in that dtype: FlashAttention's ``upcast=False``);
 3. the kernel passes when, for the output and for each gradient,
 
    ``max|actual - reference| <= factor * max|low_precision - reference| + atol``.
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from attention_ref import mods
 from attention_ref._inputs import expand_kv_heads
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.masks import causal_mask
@@ -59,10 +60,14 @@ def assert_attention_close(
     ``is_causal``, top-left aligned) set to ``-inf``, softmax, ``@ value``, all in
     that dtype (a query row with no key, whether a bool mask or ``-inf`` in a float
     mask removed them all, gives 0, as the reference does). With
-    ``enable_gqa`` the ``Hkv`` key/value heads are repeated to ``H``. When a
-    ``score_mod`` or ``mask_mod`` is given the baseline is instead this package's
-    ``"math"`` backend run in the inputs' dtype; that path computes the softmax
-    in float32, so its error is smaller and the bound stricter.
+    ``enable_gqa`` the ``Hkv`` key/value heads are repeated to ``H``. The mods
+    are applied plainly too, in the reference's order and with its
+    ``(b, h, q_idx, kv_idx)`` index grids (`attention_ref.mods.index_grids`): a
+    ``score_mod`` to the scaled scores in the inputs' dtype (its result rounded
+    to that dtype), before the float mask; a ``mask_mod`` evaluated into a
+    boolean mask that joins the others. Nothing falls back to the package's
+    ``"math"`` path: its softmax runs in float32, so its error is little more
+    than the rounding of the result, a bound stricter than FlashAttention's.
 
     Args:
         actual: the kernel's output, ``(..., L, Ev)``.
@@ -169,19 +174,20 @@ def _low_precision_attention(
     score_mod: Callable[..., torch.Tensor] | None = None,
     mask_mod: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Plain attention in the inputs' dtype, nothing upcast (FlashAttention's ``upcast=False``)."""
-    if score_mod is not None or mask_mod is not None:
-        # Mods: the package's math path in the inputs' dtype (its softmax runs in float32).
-        return scaled_dot_product_attention(
-            query, key, value, attn_mask, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa, score_mod=score_mod, mask_mod=mask_mod,
-        )
+    """Plain attention in the inputs' dtype, nothing upcast (FlashAttention's ``upcast=False``).
+
+    The steps in the reference's order (`attention_ref.functional`): scale,
+    ``score_mod``, float mask added, boolean conditions, softmax, ``@ value``.
+    """
     dtype = query.dtype
     L, S, E = query.shape[-2], key.shape[-2], query.shape[-1]
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E), as the reference expands them
         key, value = expand_kv_heads(query, key, "key"), expand_kv_heads(query, value, "value")
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = (query @ key.transpose(-2, -1)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
+    if score_mod is not None:
+        # on the scores in the inputs' dtype, with the reference's index grids; rounded to dtype
+        scores = mods.apply_score_mod(score_mod, scores)  # (..., L, S) -> (..., L, S)
     allowed = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -191,6 +197,9 @@ def _low_precision_attention(
     if is_causal:
         causal = causal_mask(L, S, device=query.device)  # (L, S), top-left
         allowed = causal if allowed is None else allowed & causal
+    if mask_mod is not None:
+        keep = mods.apply_mask_mod(mask_mod, scores.shape[:-2], L, S, scores.device)  # broadcasts to (..., L, S)
+        allowed = keep if allowed is None else allowed & keep
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))  # (L, S) masks broadcast
     # A row with no finite score (every key masked, by a bool mask or by -inf in a float one)

@@ -116,7 +116,7 @@ def test_float64_kernel_is_judged_by_atol():
         assert_attention_close(out + 1e-5, q, k, v, is_causal=True)
 
 
-def test_mask_mod_uses_the_package_path_in_low_precision():
+def test_the_package_path_with_a_mask_mod_passes_and_a_wrong_window_fails():
     q, k, v = make_inputs(torch.float16)
     window = mods.sliding_window(3)
     out = scaled_dot_product_attention(q, k, v, mask_mod=window)
@@ -131,6 +131,120 @@ def test_the_low_precision_baseline_itself_passes():
     scores = (q @ k.transpose(-2, -1)) * 0.25  # float16 throughout, as upcast=False
     plain = scores.softmax(-1) @ v
     assert_attention_close(plain, q, k, v, factor=1.0, atol=0.0)
+
+
+# ---- with mods the baseline is plain 16-bit attention too ---------------------------------
+
+LENGTHS = torch.tensor([13, 6])  # batch entry 1 keeps keys 0 .. 5
+
+
+def make_bias(dtype):
+    return torch.randn(11, 13, generator=torch.Generator().manual_seed(6)).to(dtype)  # (L, S) float mask
+
+
+MOD_CASES = {  # name: (attention kwargs, the same built by hand: score_mod, keep(b, h, i, j), bias)
+    "softcap": (
+        {"score_mod": mods.softcap(2.0)},
+        (lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0), None, None),
+    ),
+    "window": (
+        {"mask_mod": mods.sliding_window(3)},
+        (None, lambda b, h, i, j: (j <= i) & (j >= i - 3), None),
+    ),
+    "softcap-bias-window": (  # the cap comes before the float mask is added
+        {"score_mod": mods.softcap(2.0), "mask_mod": mods.sliding_window(3, 2)},
+        (lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0), lambda b, h, i, j: (j <= i + 2) & (j >= i - 3), "bias"),
+    ),
+    "alibi-padding": (  # indices b (padding), h (slopes), i and j (distance) all matter
+        {"score_mod": mods.alibi(3, symmetric=True), "mask_mod": mods.padding(LENGTHS)},
+        (
+            lambda s, b, h, i, j: s - mods.alibi_slopes(3).to(s.dtype)[h] * (j - i).abs(),
+            lambda b, h, i, j: j < LENGTHS[b],
+            None,
+        ),
+    ),
+}
+
+
+def plain_attention(q, k, v, score_mod=None, keep=None, bias=None):
+    """softmax(score_mod(q k^T / sqrt(E)) + bias, masked by keep) v: every step in q's dtype."""
+    B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    b = torch.arange(B).reshape(B, 1, 1, 1)  # index grids that broadcast to (B, H, L, S)
+    h = torch.arange(H).reshape(1, H, 1, 1)
+    i = torch.arange(L).reshape(1, 1, L, 1)
+    j = torch.arange(S).reshape(1, 1, 1, S)
+    scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(q.shape[-1]))  # (B, H, L, E) x (B, H, E, S) -> (B, H, L, S)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, i, j).to(q.dtype)
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep(b, h, i, j), -math.inf)
+    return scores.softmax(-1) @ v  # (B, H, L, S) x (B, H, S, E) -> (B, H, L, E)
+
+
+def mod_case(name, dtype):
+    q, k, v = make_inputs(dtype)
+    kwargs, (score_mod, keep, bias) = MOD_CASES[name]
+    if bias is not None:
+        bias = make_bias(dtype)
+        kwargs = dict(kwargs, attn_mask=bias)
+    grad_output = torch.randn(2, 3, 11, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = plain_attention(*leaves, score_mod, keep, bias)
+    grads = torch.autograd.grad(out, leaves, grad_output)
+    return q, k, v, kwargs, grad_output, out.detach(), grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(MOD_CASES))
+def test_plain_attention_with_mods_passes_with_factor_one(name, dtype):
+    q, k, v, kwargs, grad_output, out, grads = mod_case(name, dtype)
+    assert_attention_close(out, q, k, v, grad_output=grad_output, actual_grads=grads,
+                           factor=1.0, atol=0.0, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(MOD_CASES))
+def test_the_baseline_error_with_mods_is_that_of_plain_16_bit_attention(name):
+    """With a tiny factor every quantity fails, and each shows the same error twice."""
+    q, k, v, kwargs, grad_output, out, grads = mod_case(name, torch.float16)
+    with pytest.raises(AssertionError) as info:
+        assert_attention_close(out, q, k, v, grad_output=grad_output, actual_grads=grads,
+                               factor=1e-9, atol=0.0, **kwargs)
+    message = str(info.value)
+    assert "4 of 4 quantities out of bounds" in message
+    pairs = re.findall(r"max\|actual - reference\|        = (\S+)\n"
+                       r"    max\|low_precision - reference\| = (\S+) \(float16", message)
+    assert len(pairs) == 4 and all(actual == low for actual, low in pairs), message
+    # ... not that of the package's math path in float16 (softmax in float32), a smaller one
+    upcast = scaled_dot_product_attention(q, k, v, **kwargs)
+    reference = scaled_dot_product_attention(q.double(), k.double(), v.double(), **{
+        key: value.double() if key == "attn_mask" else value for key, value in kwargs.items()})
+    plain_error = (out.double() - reference).abs().max().item()
+    assert float(pairs[0][1]) == pytest.approx(plain_error, rel=1e-3)
+    assert plain_error > (upcast.double() - reference).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("name", "wrong"),
+    [
+        ("softcap", (None, None, None)),  # the cap forgotten
+        ("window", (None, lambda b, h, i, j: (j <= i) & (j >= i - 4), None)),  # one key too many
+        ("softcap-bias-window", (lambda s, b, h, i, j: 2.0 * torch.tanh((s + make_bias(s.dtype)) / 2.0),  # bias capped
+                                 lambda b, h, i, j: (j <= i + 2) & (j >= i - 3), None)),
+        ("alibi-padding", (lambda s, b, h, i, j: s - mods.alibi_slopes(3).to(s.dtype)[2 - h] * (j - i).abs(),
+                           lambda b, h, i, j: j < LENGTHS[b], None)),  # slopes of the wrong heads
+        ("alibi-padding", (lambda s, b, h, i, j: s - mods.alibi_slopes(3).to(s.dtype)[h] * (j - i).abs(),
+                           lambda b, h, i, j: j < LENGTHS[1 - b], None)),  # lengths of the wrong batch entry
+    ],
+    ids=["no-cap", "window-too-wide", "bias-capped", "alibi-heads-swapped", "padding-batch-swapped"],
+)
+def test_plain_attention_with_a_wrong_mod_fails(name, wrong, dtype):
+    q, k, v, kwargs, *_ = mod_case(name, dtype)
+    out = plain_attention(q, k, v, *wrong)
+    with pytest.raises(AssertionError, match=r"1 of 1 quantities out of bounds[\s\S]*" + WORST):
+        assert_attention_close(out, q, k, v, **kwargs)
 
 
 # ---- wrong kernels fail, and say why -----------------------------------------------------

@@ -10,14 +10,23 @@ set, the child computes every case and prints JSON, and each parametrized test b
 asserts on its own case. The pytest process itself never runs a kernel, so the rest of the
 session is unaffected, and the child pays the torch + triton import only once.
 
-The checks: output and gradients (dq, dk, dv) against
+Two checks, and a case must pass both. First, output and gradients (dq, dk, dv) against
 ``attention_ref.scaled_dot_product_attention`` evaluated in float64 on the same (rounded)
 inputs, by the relative error ``||x - ref|| / ||ref||`` with a tolerance per dtype; rows
-where no key takes part must be exactly 0 in the output and in dq. Shapes are small (the
-interpreter runs each program as NumPy code) but chosen so that, with the interpreter's
-16 x 16 tiles, they cover several query and key blocks, partial last blocks, L != S both
-ways, a padded head size (D = 24), causal block skipping, and fully masked rows. bfloat16
-runs only on CUDA: the interpreter mishandles it (../shared/TOOLCHAIN.md).
+where no key takes part must be exactly 0 in the output and in dq. Second, FlashAttention's
+rule (``attention_ref.testing.assert_attention_close``, factor 2, atol 1e-6): for each of
+the four, the largest error against float64 is at most twice that of plain attention in
+the case's dtype, given the kernel's arguments (the key padding as a bool ``attn_mask``,
+``is_causal``, ``scale``, the window and the cap as the mods below). Two exceptions to the
+second, each explained where it is made: the NaN-planting cases are judged by the first
+check only (the rule's dense reference would carry the NaN), and a case whose only excess
+is in a gradient that is exactly 0 (every query sees at most one key) is an expected failure.
+
+Shapes are small (the interpreter runs each program as NumPy code) but chosen so that, with
+the interpreter's 16 x 16 tiles, they cover several query and key blocks, partial last
+blocks, L != S both ways, a padded head size (D = 24), causal block skipping, and fully
+masked rows. bfloat16 runs only on CUDA: the interpreter mishandles it
+(../shared/TOOLCHAIN.md).
 
 The sliding window and soft-capping are held to the reference with
 ``mask_mod=mods.sliding_window(left, right, offset)`` and ``score_mod=mods.softcap(cap)``,
@@ -38,6 +47,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import traceback
@@ -273,7 +283,7 @@ def run_case(case: Case, device: str) -> dict[str, object]:
         config = triton_flash._Config(*case.config)
     else:
         config = triton_flash._config_for(triton_flash._kernels_for(q.device), case.D, q.dtype)
-    # the reference sees the same inputs with 0 for NaN: what no window reaches has no influence
+    # the reference sees the inputs as they were before the NaN: what no window reaches has no influence
     clean = [t.clone() for t in (q, k, v, do)]
     planted = plant_nan(case, config, q, k, v, do)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -306,6 +316,7 @@ def run_case(case: Case, device: str) -> dict[str, object]:
         result[name] = ((got64 - want).norm() / max(want.norm().item(), floor)).item()
         result[name + "_finite"] = bool(torch.isfinite(got64).all())
         result[name + "_dtype_ok"] = got.dtype == q.dtype and got.shape == want.shape
+        result[name + "_exact_zero"] = not bool(want.any())  # e.g. dq, dk when each query sees one key
     # rows where no key takes part: output and dq exactly 0
     allowed = allowed_pairs(case, device).expand(case.B, case.H, case.L, case.S)
     if mask is not None:
@@ -313,7 +324,38 @@ def run_case(case: Case, device: str) -> dict[str, object]:
     empty = ~allowed.any(-1)  # (B, H, L)
     result["empty_rows"] = int(empty.sum())
     result["empty_rows_zero"] = bool((out.detach()[empty] == 0).all() and (dq[empty] == 0).all())
+    result["fa_rule_passed"], result["fa_rule_message"] = flash_attention_rule(
+        case, (q, k, v, do), (out, dq, dk, dv), attn_mask, mask_mod, score_mod)
     return result
+
+
+def flash_attention_rule(case: Case, inputs, outputs, attn_mask, mask_mod, score_mod) -> tuple[bool | None, str]:
+    """FlashAttention's rule on the kernel's output and gradients: (passed, the rule's message).
+
+    ``attention_ref.testing.assert_attention_close`` with its defaults (factor 2, atol 1e-6):
+    each error against float64 at most twice that of plain attention in the inputs' dtype,
+    given the arguments the kernel got. ``passed`` is ``None`` for the NaN-planting cases,
+    which only the relative-norm checks judge: the rule runs its float64 reference and its
+    baseline on the kernel's own inputs, and neither can take the planted NaN. Their dense
+    products still multiply what no window reaches, by weights that masking made 0, and
+    0 * NaN = NaN: a NaN key reaches the output through ``weights @ v`` and dq through
+    ``dS @ K``; a NaN query (and its output gradient) reaches dk through ``dS^T @ Q`` and
+    dv through ``P^T @ dO``. The kernel never makes those products: it skips the tiles,
+    which is what the NaN prove.
+    """
+    from attention_ref.testing import assert_attention_close
+
+    if case.nan != "none":
+        return None, "not judged: the rule's reference and baseline cannot take the planted NaN"
+    q, k, v, do = (t.detach() for t in inputs)
+    out, dq, dk, dv = (t.detach() for t in outputs)
+    try:
+        assert_attention_close(out, q, k, v, grad_output=do, actual_grads=(dq, dk, dv),
+                               attn_mask=attn_mask, is_causal=case.causal, scale=case.scale,
+                               mask_mod=mask_mod, score_mod=score_mod)
+    except AssertionError as error:
+        return False, str(error)
+    return True, ""
 
 
 def worker(device: str) -> None:
@@ -371,6 +413,30 @@ def test_matches_float64_reference(case: Case, results: dict[str, dict[str, obje
     if case.empty_rows or (case.mask == "pad" and (case.causal or case.B > 1)):
         assert result["empty_rows"] > 0  # the case really has fully masked rows
     assert result["empty_rows_zero"], "a fully masked row has a non-zero output or dq"
+
+
+# The NaN-planting cases are judged by the relative-norm checks only (see flash_attention_rule).
+RULE_CASES = [c for c in CASES if c.nan == "none"]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=_marks(c)) for c in RULE_CASES])
+def test_flash_attention_rule(case: Case, results: dict[str, dict[str, object]]) -> None:
+    # output, dq, dk, dv: max error against float64 <= 2 x that of plain attention in the
+    # case's dtype + 1e-6; the message names the quantity, the three errors, the worst position
+    result = results[case.id]
+    assert "error" not in result, result.get("error")
+    message = result["fa_rule_message"]
+    failing = set(re.findall(r"^  (output|dq|dk|dv):$", message, re.MULTILINE))
+    zero = {name for name in ("dq", "dk") if result[name + "_exact_zero"]}
+    if not result["fa_rule_passed"] and failing and failing <= zero:
+        # Where every query sees at most one key, dq and dk are exactly 0, and plain autograd
+        # gets exactly 0 too (its softmax backward y * (g - sum(g * y)) cancels with y one-hot):
+        # the bound is atol alone. The kernel's dS = P * (dP - delta), delta = rowsum(dO * O),
+        # subtracts two float32 sums of the same products taken in different orders: a residue
+        # of a few ulp of |dO . v| ~ 4 (1.1e-6 and 1.4e-6 on CPU for the window (0, 0) cases),
+        # which the relative-norm check above judges instead.
+        pytest.xfail(f"only quantities that are exactly 0 exceed the rule's atol:\n{message}")
+    assert result["fa_rule_passed"], message
 
 
 NAN_CASES = [c for c in CASES if c.nan != "none"]
