@@ -187,8 +187,8 @@ def probe(args: argparse.Namespace) -> dict:
                               "rel_error_vs_float64": _rel_error(out, ref)}
     _write(args, "probe.json", record)
     prov = record["provenance"]
-    lines = [f"device: {prov['device']}; torch {prov['torch']} (CUDA {prov['torch_cuda']}), "
-             f"triton {prov['triton']}, python {prov['python']}"]
+    lines = [(f"device: {prov['device']}; torch {prov['torch']} (CUDA {prov['torch_cuda']}), "
+              f"triton {prov['triton']}, python {prov['python']}")]
     if "copy" in record:
         lines.append(f"copy: {record['copy']['TB_per_s']:.2f} TB/s (read + write); "
                      f"bf16 matmul 8192^3: {record['matmul_bf16_8192']['TFLOP_per_s']:.0f} TFLOP/s")
@@ -284,7 +284,7 @@ def sweep(args: argparse.Namespace) -> dict:
 
             for name, kernel in (("torch-sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                  ("torch-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
-                def torch_kernel(q, k, v, kernel=kernel):
+                def torch_kernel(q, k, v, kernel=kernel, causal=causal):
                     with sdpa_kernel(kernel):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 try:
@@ -297,7 +297,7 @@ def sweep(args: argparse.Namespace) -> dict:
             try:
                 config = _Config(*fields)
 
-                def ours(q, k, v, config=config):
+                def ours(q, k, v, config=config, causal=causal):
                     return _apply(q, k, v, causal, None, None, config)
 
                 out, grads = step(ours)
