@@ -356,6 +356,7 @@ def varlen_attention(
     *,
     is_causal: bool = False,
     scale: float | None = None,
+    backend: str = "math",
 ) -> torch.Tensor:
     r"""Attention over packed sequences: each sequence attends to its own keys only.
 
@@ -381,10 +382,14 @@ def varlen_attention(
 
     the second condition only when causal: a block-diagonal mask
     (`attention_ref.mods.document` with the query and key sequence ids) and,
-    when causal, a bottom-right triangle in each block. This
-    reference materialises the ``(H, total_q, total_k)`` scores, so its memory
-    is ``O(H * total_q * total_k)``, most of it masked: a varlen kernel
-    computes only the ``sum_s Lq_s * Lk_s`` pairs of the blocks.
+    when causal, a bottom-right triangle in each block. On the default
+    ``backend="math"`` that materialises the ``(H, total_q, total_k)`` scores,
+    memory ``O(H * total_q * total_k)``, most of it masked. ``backend="tiled"``
+    computes only the score blocks that touch a sequence's own block (the others
+    are skipped, forward and backward) and never holds more than one block of
+    scores: close to the ``sum_s Lq_s * Lk_s`` pairs a varlen kernel computes.
+    ``backend="auto"`` picks it when the mask empties enough blocks
+    (`attention_ref.backends.auto_rule`).
 
     Args:
         query: ``(H, total_q, E)``, the queries of the ``n`` sequences end to end.
@@ -400,6 +405,9 @@ def varlen_attention(
             ``i`` of sequence ``s`` sees its keys ``j <= i + Lk_s - Lq_s``
             (FlashAttention's varlen rule; top-left when ``Lq_s == Lk_s``).
         scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
+        backend: the core's backend (``"math"``, ``"tiled"``, ``"sdpa"`` with the
+            mask materialised, ``"auto"``); see
+            `attention_ref.functional.scaled_dot_product_attention`.
 
     Returns:
         ``(H, total_q, Ev)`` in ``query``'s dtype. A query with no key (a
@@ -414,7 +422,8 @@ def varlen_attention(
             ``key`` and ``value`` with different heads, ``H`` not a multiple of
             ``Hkv``; ``cu_seqlens`` not 1-D, not starting at 0, decreasing, not
             ending at ``total_q`` / ``total_k``, on another device, or the two
-            with different numbers of sequences; a bad ``scale``.
+            with different numbers of sequences; a bad ``scale``; an unknown
+            ``backend``, or one that cannot run the call (the message names it).
 
     Examples:
         >>> q = torch.randn(2, 5, 8)                        # (H, total_q, E): sequences of 2 and 3
@@ -452,4 +461,5 @@ def varlen_attention(
     _check_same_count(cu_q, cu_k)
     keep = _mask_mod(cu_q, cu_k, is_causal)
     # (H, total_q, E) x (Hkv, total_k, E) -> scores (H, total_q, total_k), masked -> (H, total_q, Ev)
-    return scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True, mask_mod=keep)
+    return scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True, mask_mod=keep,
+                                        backend=backend)

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.nn.utils.rnn import pad_sequence
 
-from attention_ref import mods
+from attention_ref import mods, tiled
+from attention_ref.backends import TILED_MODS_BLOCK_K, TILED_MODS_BLOCK_Q
 from attention_ref.varlen import cu_seqlens_from_lengths, pack, unpack, varlen_attention, varlen_mask_mod
 
 H, HKV, E, EV = 6, 2, 7, 5
@@ -91,6 +92,46 @@ def test_equals_each_sequence_alone_and_the_padded_batch(name, causal, heads, re
     assert out.shape == (heads[0], sum(lq), EV) and out.dtype == torch.float64
     want = _per_sequence(q, k, v, lq, lk, causal) if reference == "alone" else _padded_batch(q, k, v, lq, lk, causal)
     _assert_same_with_gradients(out, want, [q, k, v])
+
+
+@pytest.mark.parametrize("name", LENGTHS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend", ["tiled", "sdpa", "auto"])
+def test_other_backends_give_the_same_result(name, causal, backend):
+    lq, lk = LENGTHS[name]
+    q, k, v, cu_q, cu_k = _packed(lq, lk)
+    out = varlen_attention(q, k, v, cu_q, cu_k, is_causal=causal, backend=backend)
+    _assert_same_with_gradients(out, _per_sequence(q, k, v, lq, lk, causal), [q, k, v])
+
+
+def test_the_tiled_backend_computes_only_the_blocks_of_the_sequences(monkeypatch):
+    # Six sequences of 40 to 300 tokens, packed: with the dispatcher's 128 x 128 tiles most of the
+    # (total_q, total_k) blocks hold no pair of one sequence. The blocks whose scores are
+    # computed, forward and backward, are exactly the non-empty ones of the varlen mask.
+    lengths = [300, 40, 260, 120, 300, 180]
+    q, k, v, cu, _ = _packed(lengths, lengths, heads=(2, 1))
+    computed = []
+    original = tiled._scores_block
+
+    def counting(q_blk, kT_blk, *args, **kwargs):
+        computed.append((args[3], args[5], args[6]))  # (i0, j0, j1) after mask, is_causal, batch
+        return original(q_blk, kT_blk, *args, **kwargs)
+
+    monkeypatch.setattr(tiled, "_scores_block", counting)
+    total = sum(lengths)
+    bq, bk = TILED_MODS_BLOCK_Q, TILED_MODS_BLOCK_K  # the tiles backend="tiled" uses with a mask_mod
+    for causal in (False, True):
+        computed.clear()
+        out = varlen_attention(q, k, v, cu, cu, is_causal=causal, backend="tiled")
+        kinds = tiled.create_block_mask(varlen_mask_mod(cu, cu, is_causal=causal), None, None, total, total,
+                                        block_q=bq, block_k=bk).kinds
+        non_empty = sorted((qi * bq, kj * bk) for qi, row in enumerate(kinds.tolist())
+                           for kj, kind in enumerate(row) if kind)
+        forward = sorted({(i0, j) for i0, j0, j1 in computed for j in range(j0, j1, bk)})
+        assert forward == non_empty and len(non_empty) < kinds.numel()
+        computed.clear()
+        out.sum().backward()
+        assert sorted((i0, j0) for i0, j0, _ in computed) == non_empty
 
 
 @settings(max_examples=40, deadline=None)
