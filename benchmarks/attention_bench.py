@@ -58,6 +58,10 @@ Measurements:
   allocation with the allocator's running total; the peak of that total minus
   its value before the call. That counts torch tensors (what attention
   allocates), not Python objects or the allocator's own caching.
+- output check (forward configs): every backend's output against the first of
+  torch-sdpa, its flash, cuDNN or efficient kernel, or math that ran, as
+  ``extra["output_check"]``; a relative difference above ``OUTPUT_CHECK_REL`` prints
+  "WRONG OUTPUT" in the progress line.
 - ratio: this backend's TFLOP/s over torch SDPA's (``torch-sdpa``, its default
   kernel choice) in the same run and configuration. Because the calls take turns,
   each round also gives a ratio of its own; their quartiles (``rounds q1-q3`` in
@@ -437,13 +441,48 @@ def _describe(cfg: Config) -> str:
            f"{'causal' if cfg.causal else 'noncausal'}{mask} {cfg.mode}"
 
 
+#: Relative difference ``||out - ref|| / ||ref||`` between a backend's forward output and the
+#: anchor's above which the run flags it ("WRONG OUTPUT"); bf16 kernels differ by ~3e-3.
+OUTPUT_CHECK_REL = 2e-2
+#: The backends whose output anchors the check, in order of preference.
+OUTPUT_ANCHORS = ("torch-sdpa", "torch-sdpa-flash", "torch-sdpa-cudnn", "torch-sdpa-efficient", "math")
+
+
+def _check_outputs(by_impl: dict[str, Result], live: list[str], q, k, v, mask, cfg: Config) -> None:
+    """Forward configs: each live backend's output against the first anchor that ran, in ``extra``.
+
+    A fast kernel that computes something else would otherwise win the table: at the
+    benchmark's sizes (larger than the tests') this is the check that it still computes
+    attention. ``extra["output_check"] = {"against": name, "rel_error": ||out - ref|| / ||ref||}``.
+    """
+    if cfg.mode != "fwd":
+        return
+    anchor = next((name for name in OUTPUT_ANCHORS if name in live), None)
+    if anchor is None:
+        return
+    with torch.no_grad():
+        ref = IMPLS[anchor](q, k, v, cfg.causal, mask).float()
+        for name in live:
+            if name == "matmul-floor":  # not attention by design
+                continue
+            try:
+                out = IMPLS[name](q, k, v, cfg.causal, mask).float()
+            except Exception as exc:  # noqa: BLE001 - timed fine, fails now: record it
+                by_impl[name].extra["output_check"] = {"against": anchor, "error": str(exc)[:200]}
+                continue
+            rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item() if torch.isfinite(out).all() else math.inf
+            by_impl[name].extra["output_check"] = {"against": anchor, "rel_error": rel}
+            del out
+
+
 def _config_line(index: int, total: int, cfg: Config, rows: list[Result]) -> str:
     """``[12/48] D=128 L=8192 causal fwd: triton 1.23 ms, flash 1.30 ms, ...`` (skipped backends left out)."""
     parts = []
     for r in rows:
         name = SHORT.get(r.impl, r.impl)
         if r.time_s is not None:
-            parts.append(f"{name} {r.time_s * 1e3:.3g} ms")
+            wrong = r.extra.get("output_check", {}).get("rel_error", 0.0) > OUTPUT_CHECK_REL
+            parts.append(f"{name} {r.time_s * 1e3:.3g} ms" + (" WRONG OUTPUT" if wrong else ""))
         elif r.status == "skipped: out of memory":
             parts.append(f"{name} OOM")
         elif r.status.startswith("error"):
@@ -536,6 +575,7 @@ def run_configs(
                             bar.update(1)
                     if phase == "timed":
                         by_impl[name].times_s.append(elapsed)
+        _check_outputs(by_impl, live, q, k, v, mask, cfg)
         for name in impls:
             if memory and name in live:
                 try:

@@ -415,3 +415,24 @@ def test_targets_printed_last_and_stored(bench, tmp_path, monkeypatch, capsys):
     # --summarize reads the file back and prints the same table.
     assert bench.main(["--summarize", str(out)]) == 0
     assert capsys.readouterr().out.splitlines() == printed[-5:]
+
+
+def test_a_fast_but_wrong_backend_is_flagged(bench, tmp_path, capsys, monkeypatch):
+    """Forward configs check every backend's output against torch's; a wrong one is named in the line."""
+    right = bench.IMPLS["tiled"]
+    monkeypatch.setitem(bench.IMPLS, "tiled", lambda q, k, v, causal, mask: right(q, k, v, causal, mask) * 1.1)
+    out = tmp_path / "run.json"
+    argv = [*TINY, "--impls", "torch-sdpa", "tiled", "sdpa", "--modes", "fwd", "--repeats", "2", "--warmup", "1",
+            "--no-memory", "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["custom"]
+    assert rows and all(r["config"]["mode"] == "fwd" for r in rows)
+    for r in rows:
+        check = r["extra"]["output_check"]
+        assert check["against"] == "torch-sdpa"
+        if r["impl"] == "tiled":
+            assert math.isclose(check["rel_error"], 0.1, rel_tol=1e-3)
+        else:
+            assert check["rel_error"] < 1e-5
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert lines and all("tiled" in line and "WRONG OUTPUT" in line and line.count("WRONG") == 1 for line in lines)
