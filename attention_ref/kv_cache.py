@@ -143,6 +143,7 @@ def attention_with_kv_cache(
     is_causal: bool = False,
     scale: float | None = None,
     return_weights: bool = False,
+    backend: str = "math",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention of ``Lq`` new queries per sequence against a key/value cache.
 
@@ -187,7 +188,13 @@ def attention_with_kv_cache(
         scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
         return_weights: also return the attention weights ``(B, H, Lq, S)``
             over the first ``S = max(cache_seqlens)`` positions, from the same
-            call as the output.
+            call as the output (``backend="math"`` or ``"auto"`` only).
+        backend: the core's backend. The default ``"math"`` forms the
+            ``(B, H, Lq, S)`` scores, which is all a decoding step (``Lq = 1``)
+            needs; for a long prefill ``"tiled"`` skips the key blocks past each
+            sequence's length and above its causal diagonal and never holds more
+            than a block of scores (see
+            `attention_ref.functional.scaled_dot_product_attention`).
 
     Returns:
         ``(B, H, Lq, Ev)`` in ``query``'s dtype, or ``(output, weights)``.
@@ -201,7 +208,8 @@ def attention_with_kv_cache(
             tensor on another device than ``query``; ``cache_seqlens`` negative,
             longer than the cache (or than ``block_table`` can hold), or shorter
             than ``Lq`` without ``is_causal``; a ``block_table`` index outside
-            ``[0, num_blocks)``.
+            ``[0, num_blocks)``; an unknown ``backend``, or one that cannot run
+            the call (the message names it).
 
     Examples:
         >>> import torch
@@ -308,7 +316,7 @@ def attention_with_kv_cache(
         values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
     mask_mod = _cache_mask(cache_seqlens, Lq, is_causal)
     return scaled_dot_product_attention(query, keys, values, enable_gqa=True, scale=scale, mask_mod=mask_mod,
-                                        return_weights=return_weights)
+                                        return_weights=return_weights, backend=backend)
 
 
 # --- a contiguous cache ---------------------------------------------------------------------------

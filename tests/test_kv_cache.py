@@ -155,6 +155,45 @@ def test_paged_in_a_shuffled_pool_equals_contiguous_equals_each_sequence(hkv, bl
         torch.testing.assert_close(contiguous[b:b + 1], ref, **TOL)
 
 
+@pytest.mark.parametrize("backend", ["tiled", "sdpa", "auto"])
+def test_a_prefill_on_other_backends_equals_each_sequence_alone(backend, monkeypatch):
+    # 280 new tokens per sequence against caches holding 300 and 280 tokens (the new ones
+    # included; one prompt was prefilled, the other continues a 20-token prefix), in 320 slots:
+    # outputs and gradients equal each sequence alone, and the tiled backend skips the key
+    # blocks above both sequences' causal diagonals.
+    from attention_ref import tiled
+    from attention_ref.backends import TILED_MODS_BLOCK_K, TILED_MODS_BLOCK_Q
+
+    gen = torch.Generator().manual_seed(7)
+    lengths, Lq, hkv = [300, 280], 280, 2
+    q = _randn(2, H, Lq, E, gen=gen).requires_grad_()
+    key_cache = _randn(2, hkv, 320, E, gen=gen).requires_grad_()
+    value_cache = _randn(2, hkv, 320, EV, gen=gen)
+    computed = []
+    original = tiled._scores_block
+    monkeypatch.setattr(tiled, "_scores_block",  # records (i0, j0, j1) of every score block computed
+                        lambda *a, **k: computed.append((a[5], a[7], a[8])) or original(*a, **k))
+    out = attention_with_kv_cache(q, key_cache, value_cache, torch.tensor(lengths), is_causal=True,
+                                  backend=backend)
+    g = _randn(*out.shape, gen=gen)
+    dq, dk = torch.autograd.grad(out, (q, key_cache), g)
+    for b, n in enumerate(lengths):
+        qb = q[b:b + 1].detach().requires_grad_()
+        kb = key_cache[b:b + 1, :, :n].detach().requires_grad_()
+        ref = _bottom_right(qb, kb, value_cache[b:b + 1, :, :n])
+        ref_dq, ref_dk = torch.autograd.grad(ref, (qb, kb), g[b:b + 1])
+        torch.testing.assert_close(out[b:b + 1], ref, **TOL)
+        torch.testing.assert_close(dq[b:b + 1], ref_dq, **TOL)
+        torch.testing.assert_close(dk[b:b + 1, :, :n], ref_dk, **TOL)
+        assert torch.equal(dk[b, :, n:], torch.zeros_like(dk[b, :, n:]))  # slots past the length
+    if backend == "tiled":
+        grid = -(-Lq // TILED_MODS_BLOCK_Q) * -(-max(lengths) // TILED_MODS_BLOCK_K)
+        forward = {(i0, j) for i0, j0, j1 in computed for j in range(j0, j1, TILED_MODS_BLOCK_K)}
+        assert 0 < len(forward) < grid
+    else:
+        assert not computed
+
+
 # --- alignment -----------------------------------------------------------------------------------
 
 
