@@ -916,6 +916,18 @@ def _git(*cmd: str) -> str | None:
         return None
 
 
+def _commit() -> dict:
+    """The git commit measured: from git, or where the tree was copied without ``.git`` (the device
+    machine gets a copy of the working tree), from ``ATTENTION_REF_GIT_COMMIT`` set by the caller."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is not None:
+        return {"git_commit": commit, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+                "git_commit_from": "git"}
+    given = os.environ.get("ATTENTION_REF_GIT_COMMIT")
+    return {"git_commit": given, "git_dirty": None,
+            "git_commit_from": "ATTENTION_REF_GIT_COMMIT" if given else "unknown (no git, variable unset)"}
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -947,8 +959,7 @@ def provenance(device: torch.device, argv: list[str]) -> dict:
         "torch_threads": torch.get_num_threads(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/attention_bench.py", *argv]),
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        **_commit(),
         "tiled_blocks": {"block_q": tiled.DEFAULT_BLOCK_Q, "block_k": tiled.DEFAULT_BLOCK_K},
     }
 

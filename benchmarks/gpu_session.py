@@ -95,6 +95,18 @@ def _git(*cmd: str) -> str | None:
         return None
 
 
+def _commit() -> dict:
+    """The git commit measured: from git, or where the tree was copied without ``.git`` (the device
+    machine gets a copy of the working tree), from ``ATTENTION_REF_GIT_COMMIT`` set by the caller."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is not None:
+        return {"git_commit": commit, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+                "git_commit_from": "git"}
+    given = os.environ.get("ATTENTION_REF_GIT_COMMIT")
+    return {"git_commit": given, "git_dirty": None,
+            "git_commit_from": "ATTENTION_REF_GIT_COMMIT" if given else "unknown (no git, variable unset)"}
+
+
 def provenance(argv: list[str]) -> dict:
     """Versions, device and command: what a result file must carry."""
     cuda = torch.cuda.is_available()
@@ -106,8 +118,7 @@ def provenance(argv: list[str]) -> dict:
         "torch_cuda": torch.version.cuda,
         "triton": _version("triton"),
         "transformers": _version("transformers"),
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        **_commit(),
         "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} logical cores)",
     }
     if cuda:

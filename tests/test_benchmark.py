@@ -436,3 +436,13 @@ def test_a_fast_but_wrong_backend_is_flagged(bench, tmp_path, capsys, monkeypatc
             assert check["rel_error"] < 1e-5
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert lines and all("tiled" in line and "WRONG OUTPUT" in line and line.count("WRONG") == 1 for line in lines)
+
+
+def test_the_commit_comes_from_the_caller_where_the_tree_has_no_git(bench, monkeypatch):
+    """The device machine gets a copy of the working tree without .git: the caller names the commit."""
+    assert bench._commit()["git_commit_from"] == "git" and len(bench._commit()["git_commit"]) == 40
+    monkeypatch.setattr(bench, "_git", lambda *cmd: None)
+    monkeypatch.setenv("ATTENTION_REF_GIT_COMMIT", "0123abc")
+    assert bench._commit() == {"git_commit": "0123abc", "git_dirty": None, "git_commit_from": "ATTENTION_REF_GIT_COMMIT"}
+    monkeypatch.delenv("ATTENTION_REF_GIT_COMMIT")
+    assert bench._commit()["git_commit"] is None and "unknown" in bench._commit()["git_commit_from"]
