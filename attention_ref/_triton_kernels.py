@@ -92,11 +92,12 @@ def _allowed(ok, i, j, win_lo, win_hi,
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
-    k_base, v_base, kpm_base, stride_kn, stride_vn,
+    k_base, v_base, kpm_base, stride_kn, stride_vn, k_desc, v_desc,
     offs_m, offs_d, lo, hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # Stream key/value blocks [lo, hi) through the online softmax of one query tile.
     for start_n in range(lo, hi, BLOCK_N):
@@ -104,10 +105,16 @@ def _attn_fwd_inner(
         n_ok = offs_n < S
         d_ok = offs_d < D
         # K^T tile (BLOCK_D, BLOCK_N) and V tile (BLOCK_N, BLOCK_D)
-        kT = _load_2d(k_base + offs_d[:, None] + offs_n[None, :] * stride_kn, d_ok, n_ok,
-                      not EVEN_D, MASKED)
-        v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, d_ok,
-                     MASKED, not EVEN_D)
+        if USE_TMA:
+            # tensor descriptors (Hopper's TMA on a GPU): the hardware computes the addresses
+            # and fills rows past S and columns past D with 0, so no mask is needed to load
+            kT = tl.trans(k_desc.load([start_n, 0]))  # (BLOCK_N, BLOCK_D) -> (BLOCK_D, BLOCK_N)
+            v = v_desc.load([start_n, 0])
+        else:
+            kT = _load_2d(k_base + offs_d[:, None] + offs_n[None, :] * stride_kn, d_ok, n_ok,
+                          not EVEN_D, MASKED)
+            v = _load_2d(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, d_ok,
+                         MASKED, not EVEN_D)
         # (BLOCK_M, BLOCK_D) x (BLOCK_D, BLOCK_N) -> (BLOCK_M, BLOCK_N) scores, in base-2 units
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
@@ -154,7 +161,7 @@ def _attn_fwd(
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # grid (cdiv(L, BLOCK_M), B, H): one program per query tile of one (batch, head)
     if IS_CAUSAL:
@@ -167,6 +174,14 @@ def _attn_fwd(
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
     kpm_base = KPM + off_b * stride_mb
+    if USE_TMA:  # this head's keys and values as (S, D) row-major tensors (16-byte aligned rows)
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[S, D], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[S, D], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = k_base  # unused
+        v_desc = v_base
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < L
@@ -207,19 +222,19 @@ def _attn_fwd(
             hi = tl.where(first + win_lo < hi, hi, 0)
     if WINDOW_LEFT:  # masked blocks left of the unmasked ones
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn,
+            acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn, k_desc, v_desc,
             offs_m, offs_d, lo, tl.minimum(full_lo, hi), S, D, qk_scale, tanh_scale, win_lo, win_hi,
-            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N, EVEN_D, DOT_PRECISION,
+            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N, EVEN_D, DOT_PRECISION, USE_TMA,
         )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn,
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn, k_desc, v_desc,
         offs_m, offs_d, full_lo, full_hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, False, BLOCK_N, EVEN_D, DOT_PRECISION,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, False, BLOCK_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn,
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn, k_desc, v_desc,
         offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N, EVEN_D, DOT_PRECISION,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     # Normalise; a row where no key took part (l_i = 0) gets output 0 and lse +inf.
     empty = l_i == 0.0

@@ -182,6 +182,9 @@ class _Config:
     block_n2: int  # dQ kernel: keys per loop step
     bwd_num_warps: int
     bwd_num_stages: int
+    # forward: load K and V through tensor descriptors (TMA on Hopper) where the rows are
+    # 16-byte aligned; an option for tuning on a GPU (notes/triton.md), off in the table
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_m1", "block_n1", "block_m2", "block_n2"):
@@ -375,6 +378,7 @@ def _forward(
     B, H, L, D = q.shape
     S = k.shape[2]
     o = torch.empty_like(q)  # contiguous, like q: o shares q's strides
+    use_tma = config.tma and _tma_fits(k, v)
     lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
     block_d = _head_dim_block(D)
     scalars, flags = options.kernel_args(scale)
@@ -391,10 +395,36 @@ def _forward(
                 kpm_c.stride(0) if kpm_c is not None else 0, lc.stride(0), lc.stride(1),
                 L, S, D, *scalars, HAS_KPM=kpm is not None, **flags,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-                EVEN_D=block_d == D, DOT_PRECISION=_dot_precision(q.dtype),
+                EVEN_D=block_d == D, DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma,
                 num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
             )
     return o, lse
+
+
+_TMA_ALLOCATOR_SET = False
+
+
+def _tma_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V can be read through tensor descriptors; sets Triton's scratch allocator once.
+
+    A descriptor needs 16-byte aligned row strides and base addresses (rows of D elements,
+    every (batch, head) slab starting on one): D * element size a multiple of 16. Descriptors
+    made inside a kernel need global scratch memory on a GPU, which Triton asks for through
+    the allocator set with ``triton.set_allocator``.
+    """
+    global _TMA_ALLOCATOR_SET
+    rows_aligned = all((t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (k, v))
+    if not rows_aligned:
+        return False
+    if k.device.type == "cuda" and not _TMA_ALLOCATOR_SET:
+        import triton
+
+        def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+            return torch.empty(size, device=k.device, dtype=torch.int8)
+
+        triton.set_allocator(scratch)
+        _TMA_ALLOCATOR_SET = True
+    return True
 
 
 def _backward(

@@ -22,7 +22,8 @@ Steps (run from the repository root, the package as source: ``PYTHONPATH=.``):
 ``sweep``
     The kernel's launch configurations at one shape (default bf16, D = 128, L = S = 8192,
     hidden 2048, causal and not). ``--pass fwd`` (default): the forward's block_n x stages x
-    warps with block_m = 128. ``--pass bwd``: forward + backward, the backward's keys per
+    warps x ``--tma`` (K and V read through tensor descriptors, Hopper's TMA, or not) with
+    block_m = 128. ``--pass bwd``: forward + backward, the backward's keys per
     dK/dV program (block_n1, also the dQ kernel's queries per program) x queries per step
     (block_m1) x warps x stages, the forward at the table's. Each configuration's output
     (and gradients, for bwd) is checked against a float32 (or, up to L = 1024, float64)
@@ -247,14 +248,14 @@ def sweep_configs(args: argparse.Namespace) -> list[tuple[int, ...]]:
     base = _gpu_config(_head_dim_block(args.head_dim), DTYPES[args.dtype])
     configs = []
     if args.pass_ == "fwd":
-        for block_n, stages, warps in itertools.product(args.block_n, args.stages, args.warps):
+        for block_n, stages, warps, tma in itertools.product(args.block_n, args.stages, args.warps, args.tma):
             configs.append((args.block_m, block_n, warps, stages, base.block_m1, base.block_n1, base.block_m2,
-                            base.block_n2, base.bwd_num_warps, base.bwd_num_stages))
+                            base.block_n2, base.bwd_num_warps, base.bwd_num_stages, bool(tma)))
     else:  # the dQ kernel mirrors dK/dV: block_m2 = block_n1 queries per program, block_n2 = block_m1 keys per step
         for block_n1, block_m1, warps, stages in itertools.product(args.block_n1, args.block_m1, args.warps,
                                                                    args.stages):
             configs.append((base.block_m, base.block_n, base.num_warps, base.num_stages, block_m1, block_n1,
-                            block_n1, block_m1, warps, stages))
+                            block_n1, block_m1, warps, stages, base.tma))
     return configs
 
 
@@ -335,8 +336,8 @@ def sweep(args: argparse.Namespace) -> dict:
 
 def _sweep_line(row: dict) -> str:
     cfg = row["config"]
-    head = (f"{'causal' if row['causal'] else 'full':<6} fwd {cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]} "
-            f"bwd {cfg[5]}x{cfg[4]} w{cfg[8]} s{cfg[9]}")
+    head = (f"{'causal' if row['causal'] else 'full':<6} fwd {cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}"
+            f"{' tma' if cfg[10] else '    '} bwd {cfg[5]}x{cfg[4]} w{cfg[8]} s{cfg[9]}")
     if "error" in row:
         return f"{head}  {row['error'][:120]}"
     ratio = f"  {row['speed_vs_flash']:.2f}x flash" if "speed_vs_flash" in row else ""
@@ -379,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block-n", type=int, nargs="+", default=[64, 128], help="fwd: keys per step")
     s.add_argument("--block-n1", type=int, nargs="+", default=[64, 128], help="bwd: keys per dK/dV program")
     s.add_argument("--block-m1", type=int, nargs="+", default=[16, 32], help="bwd: queries per dK/dV step")
+    s.add_argument("--tma", type=int, nargs="+", default=[0, 1], choices=[0, 1],
+                   help="fwd: K/V through tensor descriptors (1), masked loads (0), or both")
     s.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4], help="of the swept pass")
     s.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="of the swept pass")
     args = parser.parse_args(argv)

@@ -12,7 +12,9 @@ holds. Spills and a missing wgmma are the first things to fix before timing on a
 A case is ``D,dtype[,causal][,kpm][,left][,right][,cap]`` (the last three: a sliding window
 bounded on that side, soft-capping); ``--config`` overrides the launch table with the ten
 fields of ``triton_flash._Config`` (block_m, block_n, num_warps, num_stages, block_m1,
-block_n1, block_m2, block_n2, bwd_num_warps, bwd_num_stages). The first compile of a
+block_n1, block_m2, block_n2, bwd_num_warps, bwd_num_stages), and an optional 11th, ``1`` to
+load K and V through tensor descriptors (``tma``; the ``tma=`` column counts the PTX's
+``cp.async.bulk.tensor`` instructions). The first compile of a
 variant takes 5-60 s on 2 CPU cores; Triton caches it afterwards.
 """
 
@@ -51,7 +53,7 @@ def resources(kernel) -> str:
     spills = re.findall(r"(\d+) bytes spill stores", log)
     return (f"regs={','.join(regs) or '?'} spill_bytes={','.join(spills) or '?'} "
             f"smem={kernel.metadata.shared} wgmma={ptx.count('wgmma.mma_async')} "
-            f"mma.sync={len(re.findall(r'mma[.]sync', ptx))}")
+            f"mma.sync={len(re.findall(r'mma[.]sync', ptx))} tma={ptx.count('cp.async.bulk.tensor')}")
 
 
 def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config | None,
@@ -71,7 +73,7 @@ def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config 
     bwd_ptrs = dict(Q=P, K=P, V=P, KPM="*u8", DO=P, LSE="*fp32", DELTA="*fp32")
     bwd_tail = dict(**strides, **tail, sm_scale="fp32", **options)
     jobs = [
-        ("forward", kernels._attn_fwd, fwd_sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+        ("forward", kernels._attn_fwd, fwd_sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma),
          cfg.num_warps, cfg.num_stages),
         ("bwd dK/dV", kernels._attn_bwd_dkdv, dict(**bwd_ptrs, DK=P, DV=P, **bwd_tail),
          dict(BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1), cfg.bwd_num_warps, cfg.bwd_num_stages),
@@ -93,7 +95,7 @@ def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", default=["128,bfloat16,causal"])
-    parser.add_argument("--config", help="ten comma-separated _Config fields")
+    parser.add_argument("--config", help="ten comma-separated _Config fields, and an 11th, 1 for tma")
     args = parser.parse_args()
     cfg = tf._Config(*map(int, args.config.split(","))) if args.config else None
     for case in args.cases:

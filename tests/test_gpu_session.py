@@ -36,7 +36,7 @@ def test_every_swept_configuration_computes_attention(tmp_path, pass_):
     toy = ["--device", "cpu", "--dtype", "float32", "--head-dim", "16", "--length", "48", "--heads", "2",
            "--tokens", "96", "--warps", "4", "--stages", "1"]
     if pass_ == "fwd":
-        toy += ["--block-m", "32", "--block-n", "16", "32"]
+        toy += ["--block-m", "32", "--block-n", "16", "32", "--tma", "0"]
     else:
         toy += ["--block-n1", "16", "32", "--block-m1", "16"]
     proc = _run("sweep", "--pass", pass_, *toy, out=tmp_path)
@@ -52,6 +52,18 @@ def test_every_swept_configuration_computes_attention(tmp_path, pass_):
         assert row["rel_error"] < 1e-5, row  # output (and dq, dk, dv) against float64
         assert row["ms"] > 0 and row["TFLOP_per_s"] > 0
     assert "best causal:" in proc.stdout and "best full:" in proc.stdout
+
+
+@needs_triton
+def test_the_forward_sweep_tries_tensor_descriptor_loads(tmp_path):
+    toy = ["--device", "cpu", "--dtype", "float32", "--head-dim", "16", "--length", "40", "--heads", "1",
+           "--tokens", "40", "--warps", "4", "--stages", "1", "--block-m", "32", "--block-n", "16", "--causal", "yes"]
+    proc = _run("sweep", *toy, out=tmp_path)  # --tma defaults to both
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert [r["config"][10] for r in rows] == [False, True]
+    assert all(r["rel_error"] < 1e-5 for r in rows), rows
+    assert " tma " in proc.stdout
 
 
 @needs_triton

@@ -114,7 +114,7 @@ class Case:
         if self.layout != "bhld":
             parts.append(self.layout)
         if self.config is not None:
-            parts.append("cfg" + "x".join(map(str, self.config[:2])))
+            parts.append("cfg" + "x".join(map(str, self.config[:2])) + ("-tma" if self.config[10:] == (True,) else ""))
         if self.max_grid is not None:
             parts.append(f"grid{self.max_grid}")
         return "-".join(parts)
@@ -187,6 +187,20 @@ WINDOW_CASES = [
     Case(1, 2, 257, 1031, 64, "float16", False, window=(100, 20), offset=774, gpu_only=True),
 ]
 CASES += WINDOW_CASES
+# The forward's tensor-descriptor loads (config.tma): K and V rows past S and columns past D
+# come back as 0 from the descriptor instead of a masked load.
+TMA = (32, 16, 4, 1, 16, 32, 32, 16, 4, 1, True)
+TMA_CASES = [
+    Case(2, 1, 33, 47, 16, "float32", True, "pad", config=TMA),
+    Case(1, 2, 47, 33, 24, "float32", False, config=TMA),  # D padded to 32: zero columns
+    Case(1, 2, 37, 21, 16, "float32", True, "pad", config=TMA, window=(3, 1), offset=-16, softcap=1.5),
+    Case(1, 1, 33, 33, 24, "float16", True, "pad", config=TMA),
+    Case(2, 2, 33, 17, 32, "bfloat16", True, "pad", config=TMA),
+    Case(2, 4, 1000, 1000, 128, "bfloat16", True, "pad", config=(128, 64, 8, 3, 32, 64, 64, 32, 8, 2, True),
+         gpu_only=True),
+]
+CASES += TMA_CASES
+
 
 
 def _marks(case: Case) -> list[pytest.MarkDecorator]:
@@ -729,3 +743,17 @@ def test_loop_bounds_visit_exactly_the_blocks_a_window_reaches(block_m, block_n,
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         worker(sys.argv[2])
+
+
+def test_tma_needs_16_byte_rows() -> None:
+    # Tensor descriptors need 16-byte aligned rows and base addresses; otherwise the forward
+    # keeps its masked loads (config.tma is a request, not a promise).
+    from attention_ref.triton_flash import _tma_fits
+
+    def fits(dtype, D, offset=0):
+        t = torch.zeros(2 * 7 * D + offset, dtype=dtype)[offset:].view(2, 7, D)
+        return _tma_fits(t, t)
+
+    assert fits(torch.float16, 24) and fits(torch.float32, 20) and fits(torch.bfloat16, 128)
+    assert not fits(torch.float16, 20)  # 40-byte rows
+    assert not fits(torch.float16, 24, offset=1)  # base address off by 2 bytes
