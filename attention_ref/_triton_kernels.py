@@ -266,11 +266,12 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
     offs_n, offs_d, lo, hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M1: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # Accumulate dk, dv of one key block over the query blocks [lo, hi).
     for start_m in range(lo, hi, BLOCK_M1):
@@ -278,10 +279,14 @@ def _attn_bwd_dkdv_inner(
         m_ok = offs_m < L
         d_ok = offs_d < D
         # Q^T tile (BLOCK_D, BLOCK_M1) and dO tile (BLOCK_M1, BLOCK_D)
-        qT = _load_2d(q_base + offs_d[:, None] + offs_m[None, :] * stride_qm, d_ok, m_ok,
-                      not EVEN_D, MASKED)
-        do = _load_2d(do_base + offs_m[:, None] * stride_qm + offs_d[None, :], m_ok, d_ok,
-                      MASKED, not EVEN_D)
+        if USE_TMA:  # tensor descriptors: rows past L and columns past D come back as 0
+            qT = tl.trans(q_desc.load([start_m, 0]))  # (BLOCK_M1, BLOCK_D) -> (BLOCK_D, BLOCK_M1)
+            do = do_desc.load([start_m, 0])
+        else:
+            qT = _load_2d(q_base + offs_d[:, None] + offs_m[None, :] * stride_qm, d_ok, m_ok,
+                          not EVEN_D, MASKED)
+            do = _load_2d(do_base + offs_m[:, None] * stride_qm + offs_d[None, :], m_ok, d_ok,
+                          MASKED, not EVEN_D)
         if MASKED:
             # rows past L: lse = +inf makes their P exactly 0
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
@@ -323,7 +328,7 @@ def _attn_bwd_dkdv(
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # grid (cdiv(S, BLOCK_N1), B, H): one program per key block; DO, DQ share Q's layout,
     # V, DK, DV share K's layout.
@@ -335,6 +340,14 @@ def _attn_bwd_dkdv(
     kv_off = off_b * stride_kb + off_h * stride_kh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh  # DELTA shares LSE's layout
     delta_base = DELTA + off_b * stride_lb + off_h * stride_lh
+    if USE_TMA:  # this head's queries and output gradients as (L, D) row-major tensors
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[L, D], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M1, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(do_base, shape=[L, D], strides=[stride_qm, 1],
+                                            block_shape=[BLOCK_M1, BLOCK_D])
+    else:
+        q_desc = q_base  # unused
+        do_desc = do_base
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < S
@@ -366,19 +379,19 @@ def _attn_bwd_dkdv(
             mid = tl.maximum(mid, tl.cdiv(tl.maximum(last - win_hi, 0), BLOCK_M1) * BLOCK_M1)
             hi = tl.where(start_n - win_hi < hi, hi, 0)  # lo is rounded down: no row sees, no block
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
         offs_n, offs_d, lo, tl.minimum(mid, hi), L, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
         offs_n, offs_d, mid, full_hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, False, BLOCK_M1, EVEN_D, DOT_PRECISION,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, False, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
         offs_n, offs_d, tl.maximum(mid, full_hi), hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dk = dk * sm_scale
     if HAS_KPM:
@@ -394,11 +407,12 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse, delta, k_base, v_base, kpm_base, stride_kn,
+    dq, q, do, lse, delta, k_base, v_base, kpm_base, stride_kn, k_desc, v_desc,
     offs_m, offs_d, lo, hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_N2: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # Accumulate dq of one query block over the key blocks [lo, hi).
     for start_n in range(lo, hi, BLOCK_N2):
@@ -407,8 +421,12 @@ def _attn_bwd_dq_inner(
         d_ok = offs_d < D
         kv_offs = offs_d[:, None] + offs_n[None, :] * stride_kn
         # K^T and V^T tiles (BLOCK_D, BLOCK_N2)
-        kT = _load_2d(k_base + kv_offs, d_ok, n_ok, not EVEN_D, MASKED)
-        vT = _load_2d(v_base + kv_offs, d_ok, n_ok, not EVEN_D, MASKED)
+        if USE_TMA:  # tensor descriptors: rows past S and columns past D come back as 0
+            kT = tl.trans(k_desc.load([start_n, 0]))  # (BLOCK_N2, BLOCK_D) -> (BLOCK_D, BLOCK_N2)
+            vT = tl.trans(v_desc.load([start_n, 0]))
+        else:
+            kT = _load_2d(k_base + kv_offs, d_ok, n_ok, not EVEN_D, MASKED)
+            vT = _load_2d(v_base + kv_offs, d_ok, n_ok, not EVEN_D, MASKED)
         # P: (BLOCK_M2, BLOCK_D) x (BLOCK_D, BLOCK_N2) -> (BLOCK_M2, BLOCK_N2)
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
@@ -445,7 +463,7 @@ def _attn_bwd_dq(
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # grid (cdiv(L, BLOCK_M2), B, H): one program per query block
     if IS_CAUSAL:
@@ -489,21 +507,29 @@ def _attn_bwd_dq(
             full_lo = tl.cdiv(tl.maximum(last + win_lo, 0), BLOCK_N2) * BLOCK_N2
             hi = tl.where(first + win_lo < hi, hi, 0)
     kpm_base = KPM + off_b * stride_mb
+    if USE_TMA:  # this head's keys and values as (S, D) row-major tensors
+        k_desc = tl.make_tensor_descriptor(K + kv_off, shape=[S, D], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N2, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + kv_off, shape=[S, D], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N2, BLOCK_D])
+    else:
+        k_desc = K + kv_off  # unused
+        v_desc = V + kv_off
     if WINDOW_LEFT:
         dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn,
+            dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn, k_desc, v_desc,
             offs_m, offs_d, lo, tl.minimum(full_lo, hi), S, D, qk_scale, tanh_scale, win_lo, win_hi,
-            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N2, EVEN_D, DOT_PRECISION,
+            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N2, EVEN_D, DOT_PRECISION, USE_TMA,
         )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn,
+        dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn, k_desc, v_desc,
         offs_m, offs_d, full_lo, full_hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, False, BLOCK_N2, EVEN_D, DOT_PRECISION,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, False, BLOCK_N2, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn,
+        dq, q, do, lse, delta, K + kv_off, V + kv_off, kpm_base, stride_kn, k_desc, v_desc,
         offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, S, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N2, EVEN_D, DOT_PRECISION,
+        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_KPM, HAS_SOFTCAP, True, BLOCK_N2, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dq = dq * sm_scale
     tl.store(DQ + q_offs, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])

@@ -182,8 +182,9 @@ class _Config:
     block_n2: int  # dQ kernel: keys per loop step
     bwd_num_warps: int
     bwd_num_stages: int
-    # forward: load K and V through tensor descriptors (TMA on Hopper) where the rows are
-    # 16-byte aligned; an option for tuning on a GPU (notes/triton.md), off in the table
+    # load the tiles streamed by the inner loops (K, V forward and in dQ; Q, dO in dK/dV)
+    # through tensor descriptors (TMA on Hopper) where rows are 16-byte aligned; an option
+    # for tuning on a GPU (notes/triton.md), off in the table
     tma: bool = False
 
     def __post_init__(self) -> None:
@@ -378,7 +379,7 @@ def _forward(
     B, H, L, D = q.shape
     S = k.shape[2]
     o = torch.empty_like(q)  # contiguous, like q: o shares q's strides
-    use_tma = config.tma and _tma_fits(k, v)
+    use_tma = config.tma and _tma_fits(k, v)  # q is loaded once per program: masked loads
     lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
     block_d = _head_dim_block(D)
     scalars, flags = options.kernel_args(scale)
@@ -404,8 +405,8 @@ def _forward(
 _TMA_ALLOCATOR_SET = False
 
 
-def _tma_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether K and V can be read through tensor descriptors; sets Triton's scratch allocator once.
+def _tma_fits(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors can be read through tensor descriptors; sets Triton's scratch allocator once.
 
     A descriptor needs 16-byte aligned row strides and base addresses (rows of D elements,
     every (batch, head) slab starting on one): D * element size a multiple of 16. Descriptors
@@ -413,14 +414,15 @@ def _tma_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
     the allocator set with ``triton.set_allocator``.
     """
     global _TMA_ALLOCATOR_SET
-    rows_aligned = all((t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (k, v))
+    rows_aligned = all((t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
     if not rows_aligned:
         return False
-    if k.device.type == "cuda" and not _TMA_ALLOCATOR_SET:
+    device = tensors[0].device
+    if device.type == "cuda" and not _TMA_ALLOCATOR_SET:
         import triton
 
         def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-            return torch.empty(size, device=k.device, dtype=torch.int8)
+            return torch.empty(size, device=device, dtype=torch.int8)
 
         triton.set_allocator(scratch)
         _TMA_ALLOCATOR_SET = True
@@ -448,8 +450,9 @@ def _backward(
     delta = torch.empty_like(lse)  # (B, H, L) float32, same layout as lse
     block_d = _head_dim_block(D)
     scalars, flags = options.kernel_args(scale)
+    use_tma = config.tma and _tma_fits(q, k, v, do)
     common = dict(**flags, HAS_KPM=kpm is not None, BLOCK_D=block_d, EVEN_D=block_d == D,
-                  DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.bwd_num_warps,
+                  DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, num_warps=config.bwd_num_warps,
                   num_stages=config.bwd_num_stages, enable_fp_fusion=True)
     with _launch_context(q.device):
         for bs, hs in _grid_chunks(B, H):

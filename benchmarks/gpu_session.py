@@ -252,10 +252,10 @@ def sweep_configs(args: argparse.Namespace) -> list[tuple[int, ...]]:
             configs.append((args.block_m, block_n, warps, stages, base.block_m1, base.block_n1, base.block_m2,
                             base.block_n2, base.bwd_num_warps, base.bwd_num_stages, bool(tma)))
     else:  # the dQ kernel mirrors dK/dV: block_m2 = block_n1 queries per program, block_n2 = block_m1 keys per step
-        for block_n1, block_m1, warps, stages in itertools.product(args.block_n1, args.block_m1, args.warps,
-                                                                   args.stages):
+        for block_n1, block_m1, warps, stages, tma in itertools.product(args.block_n1, args.block_m1, args.warps,
+                                                                        args.stages, args.tma):
             configs.append((base.block_m, base.block_n, base.num_warps, base.num_stages, block_m1, block_n1,
-                            block_n1, block_m1, warps, stages, base.tma))
+                            block_n1, block_m1, warps, stages, bool(tma)))
     return configs
 
 
@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block-n1", type=int, nargs="+", default=[64, 128], help="bwd: keys per dK/dV program")
     s.add_argument("--block-m1", type=int, nargs="+", default=[16, 32], help="bwd: queries per dK/dV step")
     s.add_argument("--tma", type=int, nargs="+", default=[0, 1], choices=[0, 1],
-                   help="fwd: K/V through tensor descriptors (1), masked loads (0), or both")
+                   help="tiles of the inner loops through tensor descriptors (1), masked loads (0), or both "
+                        "(it applies to the forward and backward kernels alike)")
     s.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4], help="of the swept pass")
     s.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="of the swept pass")
     args = parser.parse_args(argv)

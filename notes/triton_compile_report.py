@@ -13,8 +13,8 @@ A case is ``D,dtype[,causal][,kpm][,left][,right][,cap]`` (the last three: a sli
 bounded on that side, soft-capping); ``--config`` overrides the launch table with the ten
 fields of ``triton_flash._Config`` (block_m, block_n, num_warps, num_stages, block_m1,
 block_n1, block_m2, block_n2, bwd_num_warps, bwd_num_stages), and an optional 11th, ``1`` to
-load K and V through tensor descriptors (``tma``; the ``tma=`` column counts the PTX's
-``cp.async.bulk.tensor`` instructions). The first compile of a
+load the inner loops' tiles through tensor descriptors (``tma``; the ``tma=`` column counts
+the PTX's ``cp.async.bulk.tensor`` instructions). The first compile of a
 variant takes 5-60 s on 2 CPU cores; Triton caches it afterwards.
 """
 
@@ -76,9 +76,11 @@ def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config 
         ("forward", kernels._attn_fwd, fwd_sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=cfg.tma),
          cfg.num_warps, cfg.num_stages),
         ("bwd dK/dV", kernels._attn_bwd_dkdv, dict(**bwd_ptrs, DK=P, DV=P, **bwd_tail),
-         dict(BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1), cfg.bwd_num_warps, cfg.bwd_num_stages),
+         dict(BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1, USE_TMA=cfg.tma), cfg.bwd_num_warps,
+         cfg.bwd_num_stages),
         ("bwd dQ", kernels._attn_bwd_dq, dict(**bwd_ptrs, DQ=P, **bwd_tail),
-         dict(BLOCK_M2=cfg.block_m2, BLOCK_N2=cfg.block_n2), cfg.bwd_num_warps, cfg.bwd_num_stages),
+         dict(BLOCK_M2=cfg.block_m2, BLOCK_N2=cfg.block_n2, USE_TMA=cfg.tma), cfg.bwd_num_warps,
+         cfg.bwd_num_stages),
     ]
     print(f"D={D} {TYPES[dtype]} causal={causal} kpm={kpm} window_left={left} window_right={right} "
           f"softcap={cap} {cfg}")

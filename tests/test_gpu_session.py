@@ -38,7 +38,7 @@ def test_every_swept_configuration_computes_attention(tmp_path, pass_):
     if pass_ == "fwd":
         toy += ["--block-m", "32", "--block-n", "16", "32", "--tma", "0"]
     else:
-        toy += ["--block-n1", "16", "32", "--block-m1", "16"]
+        toy += ["--block-n1", "16", "32", "--block-m1", "16", "--tma", "0"]
     proc = _run("sweep", "--pass", pass_, *toy, out=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "sweep.json").read_text())
@@ -64,6 +64,12 @@ def test_the_forward_sweep_tries_tensor_descriptor_loads(tmp_path):
     assert [r["config"][10] for r in rows] == [False, True]
     assert all(r["rel_error"] < 1e-5 for r in rows), rows
     assert " tma " in proc.stdout
+    proc = _run("sweep", "--pass", "bwd", *toy[:-6], "--block-n1", "32", "--block-m1", "16", "--causal", "no",
+                out=tmp_path)  # the backward kernels with and without descriptors, gradients checked
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert [r["config"][10] for r in rows] == [False, True]
+    assert all(r["rel_error"] < 1e-5 for r in rows), rows
 
 
 @needs_triton
