@@ -28,7 +28,8 @@ Steps (run from the repository root, the package as source: ``PYTHONPATH=.``):
     (block_m1) x warps x stages, the forward at the table's. Each configuration's output
     (and gradients, for bwd) is checked against a float32 (or, up to L = 1024, float64)
     reference and timed by the median of ``triton.testing.do_bench`` (CUDA), next to
-    torch SDPA's flash and cuDNN kernels on the same inputs. Write the prediction in
+    torch SDPA's flash and cuDNN kernels on the same inputs; the record goes to
+    ``sweep-fwd.json`` or ``sweep-bwd.json``. Write the prediction in
     notes/triton.md before running it.
 
 On a machine without CUDA, ``sweep --device cpu`` runs the same code under Triton's
@@ -322,10 +323,10 @@ def sweep(args: argparse.Namespace) -> dict:
             except Exception as exc:  # noqa: BLE001 - a config that fails (e.g. out of resources) is recorded
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             record["rows"].append(row)
-            _write(args, "sweep.json", record)
+            _write(args, f"sweep-{args.pass_}.json", record)
             print(_sweep_line(row), flush=True)
         record.setdefault("anchors", {})["causal" if causal else "full"] = anchors
-        _write(args, "sweep.json", record)
+        _write(args, f"sweep-{args.pass_}.json", record)
     print(f"shape B={B} H={H} L=S={L} D={D} {args.dtype}; anchors: {json.dumps(record['anchors'])}")
     best = [r for r in record["rows"] if "ms" in r]
     for causal in sorted({r["causal"] for r in best}):

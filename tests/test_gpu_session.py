@@ -41,7 +41,7 @@ def test_every_swept_configuration_computes_attention(tmp_path, pass_):
         toy += ["--block-n1", "16", "32", "--block-m1", "16", "--tma", "0"]
     proc = _run("sweep", "--pass", pass_, *toy, out=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads((tmp_path / "sweep.json").read_text())
+    record = json.loads((tmp_path / f"sweep-{pass_}.json").read_text())
     assert record["shape"] == {"B": 2, "H": 2, "L": 48, "S": 48, "D": 16, "dtype": "float32"}
     rows = record["rows"]
     assert len(rows) == 2 * 2  # two configurations, causal and not
@@ -60,14 +60,14 @@ def test_the_forward_sweep_tries_tensor_descriptor_loads(tmp_path):
            "--tokens", "40", "--warps", "4", "--stages", "1", "--block-m", "32", "--block-n", "16", "--causal", "yes"]
     proc = _run("sweep", *toy, out=tmp_path)  # --tma defaults to both
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "sweep-fwd.json").read_text())["rows"]
     assert [r["config"][10] for r in rows] == [False, True]
     assert all(r["rel_error"] < 1e-5 for r in rows), rows
     assert " tma " in proc.stdout
     proc = _run("sweep", "--pass", "bwd", *toy[:-6], "--block-n1", "32", "--block-m1", "16", "--causal", "no",
                 out=tmp_path)  # the backward kernels with and without descriptors, gradients checked
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "sweep-bwd.json").read_text())["rows"]
     assert [r["config"][10] for r in rows] == [False, True]
     assert all(r["rel_error"] < 1e-5 for r in rows), rows
 
