@@ -161,18 +161,20 @@ def _attn_fwd(
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, GROUP: tl.constexpr,
 ):
-    # grid (cdiv(L, BLOCK_M), B, H): one program per query tile of one (batch, head)
+    # grid (cdiv(L, BLOCK_M), B, H): one program per query tile of one (batch, head); query
+    # head h reads key/value head h // GROUP (grouped-query attention; GROUP = 1 otherwise)
     if IS_CAUSAL:
         start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     else:
         start_m = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     off_h = tl.program_id(2).to(tl.int64)
+    off_hk = off_h // GROUP
     q_base = Q + off_b * stride_qb + off_h * stride_qh  # O shares Q's layout
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
     kpm_base = KPM + off_b * stride_mb
     if USE_TMA:  # this head's keys and values as (S, D) row-major tensors (16-byte aligned rows)
         k_desc = tl.make_tensor_descriptor(k_base, shape=[S, D], strides=[stride_kn, 1],
@@ -328,26 +330,15 @@ def _attn_bwd_dkdv(
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, GROUP: tl.constexpr,
 ):
-    # grid (cdiv(S, BLOCK_N1), B, H): one program per key block; DO, DQ share Q's layout,
-    # V, DK, DV share K's layout.
+    # grid (cdiv(S, BLOCK_N1), B, Hkv): one program per key block of one key/value head,
+    # summing over the GROUP query heads that read it; DO, DQ share Q's layout, V, DK, DV
+    # share K's layout.
     start_n = tl.program_id(0) * BLOCK_N1
     off_b = tl.program_id(1).to(tl.int64)
-    off_h = tl.program_id(2).to(tl.int64)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    do_base = DO + off_b * stride_qb + off_h * stride_qh
-    kv_off = off_b * stride_kb + off_h * stride_kh
-    lse_base = LSE + off_b * stride_lb + off_h * stride_lh  # DELTA shares LSE's layout
-    delta_base = DELTA + off_b * stride_lb + off_h * stride_lh
-    if USE_TMA:  # this head's queries and output gradients as (L, D) row-major tensors
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[L, D], strides=[stride_qm, 1],
-                                           block_shape=[BLOCK_M1, BLOCK_D])
-        do_desc = tl.make_tensor_descriptor(do_base, shape=[L, D], strides=[stride_qm, 1],
-                                            block_shape=[BLOCK_M1, BLOCK_D])
-    else:
-        q_desc = q_base  # unused
-        do_desc = do_base
+    off_hk = tl.program_id(2).to(tl.int64)
+    kv_off = off_b * stride_kb + off_hk * stride_kh
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < S
@@ -378,21 +369,35 @@ def _attn_bwd_dkdv(
             lo = tl.maximum(lo, tl.maximum(start_n - win_hi, 0) // BLOCK_M1 * BLOCK_M1)
             mid = tl.maximum(mid, tl.cdiv(tl.maximum(last - win_hi, 0), BLOCK_M1) * BLOCK_M1)
             hi = tl.where(start_n - win_hi < hi, hi, 0)  # lo is rounded down: no row sees, no block
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
-        offs_n, offs_d, lo, tl.minimum(mid, hi), L, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
-    )
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
-        offs_n, offs_d, mid, full_hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, False, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
-    )
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
-        offs_n, offs_d, tl.maximum(mid, full_hi), hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
-        IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
-    )
+    for g in range(0, GROUP):  # the query heads of this key/value head
+        off_h = off_hk * GROUP + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_qb + off_h * stride_qh
+        lse_base = LSE + off_b * stride_lb + off_h * stride_lh  # DELTA shares LSE's layout
+        delta_base = DELTA + off_b * stride_lb + off_h * stride_lh
+        if USE_TMA:  # this head's queries and output gradients as (L, D) row-major tensors
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[L, D], strides=[stride_qm, 1],
+                                               block_shape=[BLOCK_M1, BLOCK_D])
+            do_desc = tl.make_tensor_descriptor(do_base, shape=[L, D], strides=[stride_qm, 1],
+                                                block_shape=[BLOCK_M1, BLOCK_D])
+        else:
+            q_desc = q_base  # unused
+            do_desc = do_base
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
+            offs_n, offs_d, lo, tl.minimum(mid, hi), L, D, qk_scale, tanh_scale, win_lo, win_hi,
+            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
+            offs_n, offs_d, mid, full_hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
+            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, False, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, q_desc, do_desc,
+            offs_n, offs_d, tl.maximum(mid, full_hi), hi, L, D, qk_scale, tanh_scale, win_lo, win_hi,
+            IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, True, BLOCK_M1, EVEN_D, DOT_PRECISION, USE_TMA,
+        )
     dk = dk * sm_scale
     if HAS_KPM:
         # a padded key takes part in no row: its gradients are 0 (the loop above
@@ -463,9 +468,9 @@ def _attn_bwd_dq(
     IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, GROUP: tl.constexpr,
 ):
-    # grid (cdiv(L, BLOCK_M2), B, H): one program per query block
+    # grid (cdiv(L, BLOCK_M2), B, H): one program per query block; key/value head h // GROUP
     if IS_CAUSAL:
         start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     else:
@@ -473,7 +478,7 @@ def _attn_bwd_dq(
     off_b = tl.program_id(1).to(tl.int64)
     off_h = tl.program_id(2).to(tl.int64)
     q_off = off_b * stride_qb + off_h * stride_qh
-    kv_off = off_b * stride_kb + off_h * stride_kh
+    kv_off = off_b * stride_kb + (off_h // GROUP) * stride_kh
     offs_m = start_m * BLOCK_M2 + tl.arange(0, BLOCK_M2)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < L

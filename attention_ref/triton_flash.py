@@ -356,12 +356,17 @@ def _launch_context(device: torch.device) -> Any:
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dims (batch, heads)
 
 
-def _grid_chunks(B: int, H: int) -> list[tuple[slice, slice]]:
-    """(batch, head) slices small enough for one launch; one slice pair in practice."""
+def _grid_chunks(B: int, Hkv: int, group: int = 1) -> list[tuple[slice, slice, slice]]:
+    """(batch, query head, key/value head) slices small enough for one launch; one in practice.
+
+    Key/value head ``g`` serves query heads ``g * group .. (g + 1) * group - 1``, so the
+    query-head slices are the key/value ones times ``group``.
+    """
+    step = max(1, _MAX_GRID_YZ // group)
     return [
-        (slice(b, min(B, b + _MAX_GRID_YZ)), slice(h, min(H, h + _MAX_GRID_YZ)))
+        (slice(b, min(B, b + _MAX_GRID_YZ)), slice(h * group, min(Hkv, h + step) * group), slice(h, min(Hkv, h + step)))
         for b in range(0, B, _MAX_GRID_YZ)
-        for h in range(0, H, _MAX_GRID_YZ)
+        for h in range(0, Hkv, step)
     ]
 
 
@@ -383,9 +388,10 @@ def _forward(
     lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
     block_d = _head_dim_block(D)
     scalars, flags = options.kernel_args(scale)
+    group = H // k.shape[1]  # query heads per key/value head
     with _launch_context(q.device):
-        for bs, hs in _grid_chunks(B, H):
-            qc, kc, vc, oc, lc = q[bs, hs], k[bs, hs], v[bs, hs], o[bs, hs], lse[bs, hs]
+        for bs, hs, hkv in _grid_chunks(B, k.shape[1], group):
+            qc, kc, vc, oc, lc = q[bs, hs], k[bs, hkv], v[bs, hkv], o[bs, hs], lse[bs, hs]
             kpm_c = kpm[bs] if kpm is not None else None
             grid = (_cdiv(L, config.block_m), qc.shape[0], qc.shape[1])
             kernels._attn_fwd[grid](
@@ -394,7 +400,7 @@ def _forward(
                 kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.stride(0), vc.stride(1), vc.stride(2),
                 kpm_c.stride(0) if kpm_c is not None else 0, lc.stride(0), lc.stride(1),
-                L, S, D, *scalars, HAS_KPM=kpm is not None, **flags,
+                L, S, D, *scalars, GROUP=group, HAS_KPM=kpm is not None, **flags,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
                 EVEN_D=block_d == D, DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma,
                 num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
@@ -454,11 +460,12 @@ def _backward(
     common = dict(**flags, HAS_KPM=kpm is not None, BLOCK_D=block_d, EVEN_D=block_d == D,
                   DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=use_tma, num_warps=config.bwd_num_warps,
                   num_stages=config.bwd_num_stages, enable_fp_fusion=True)
+    group = H // k.shape[1]  # query heads per key/value head
     with _launch_context(q.device):
-        for bs, hs in _grid_chunks(B, H):
-            qc, kc, vc, oc, doc = q[bs, hs], k[bs, hs], v[bs, hs], o[bs, hs], do[bs, hs]
+        for bs, hs, hkv in _grid_chunks(B, k.shape[1], group):
+            qc, kc, vc, oc, doc = q[bs, hs], k[bs, hkv], v[bs, hkv], o[bs, hs], do[bs, hs]
             lc, deltac = lse[bs, hs], delta[bs, hs]
-            dqc, dkc, dvc = dq[bs, hs], dk[bs, hs], dv[bs, hs]
+            dqc, dkc, dvc = dq[bs, hs], dk[bs, hkv], dv[bs, hkv]
             kpm_c = kpm[bs] if kpm is not None else None
             kpm_arg = kpm_c if kpm_c is not None else qc  # unused dummy pointer without a mask
             stride_mb = kpm_c.stride(0) if kpm_c is not None else 0
@@ -469,14 +476,14 @@ def _backward(
                 oc, doc, deltac, *q_strides, lc.stride(0), lc.stride(1), L, D,
                 BLOCK_M=config.block_m2, BLOCK_D=block_d, enable_fp_fusion=True,
             )
-            kernels._attn_bwd_dkdv[(_cdiv(S, config.block_n1), nb, nh)](
+            kernels._attn_bwd_dkdv[(_cdiv(S, config.block_n1), nb, kc.shape[1])](  # one per key/value head
                 qc, kc, vc, kpm_arg, doc, lc, deltac, dkc, dvc, *q_strides, *k_strides,
-                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, *scalars,
+                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, *scalars, GROUP=group,
                 BLOCK_M1=config.block_m1, BLOCK_N1=config.block_n1, **common,
             )
             kernels._attn_bwd_dq[(_cdiv(L, config.block_m2), nb, nh)](
                 qc, kc, vc, kpm_arg, doc, lc, deltac, dqc, *q_strides, *k_strides,
-                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, *scalars,
+                stride_mb, lc.stride(0), lc.stride(1), L, S, D, scale, *scalars, GROUP=group,
                 BLOCK_M2=config.block_m2, BLOCK_N2=config.block_n2, **common,
             )
     return dq, dk, dv
@@ -555,17 +562,22 @@ def _validate(
             raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {other.dtype}")
         if other.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {other.device}")
-        if other.shape[:2] != q.shape[:2]:
+        if other.shape[0] != q.shape[0] or other.shape[1] == 0 or q.shape[1] % other.shape[1]:
             raise ValueError(
-                f"{name} must have the same (B, H) as q: q {fmt_shape(q.shape)} has (B, H) = "
-                f"{fmt_shape(q.shape[:2])}, {name} {fmt_shape(other.shape)} has {fmt_shape(other.shape[:2])} "
-                "(expand grouped-query key/value heads before calling)"
+                f"{name} must have q's batch B and a number of heads Hkv that divides q's H: q "
+                f"{fmt_shape(q.shape)} has (B, H) = {fmt_shape(q.shape[:2])}, {name} {fmt_shape(other.shape)} "
+                f"has {fmt_shape(other.shape[:2])}"
             )
         if other.shape[3] != q.shape[3]:
             raise ValueError(
                 f"{name} must have the same head size D as q: q {fmt_shape(q.shape)} has D={q.shape[3]}, "
                 f"{name} {fmt_shape(other.shape)} has D={other.shape[3]}"
             )
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"k and v must have the same number of heads Hkv (dim 1): k {fmt_shape(k.shape)}, "
+            f"v {fmt_shape(v.shape)}"
+        )
     if v.shape[2] != k.shape[2]:
         raise ValueError(
             f"k and v must have the same length S (dim 2): k {fmt_shape(k.shape)} has S={k.shape[2]}, "
@@ -693,9 +705,10 @@ def flash_attention(
     Args:
         q: ``(B, H, L, D)`` queries, float16, bfloat16 or float32, ``16 <= D <= 128``
             (any ``D`` in that range; it is padded to a power of two inside the kernel).
-        k: ``(B, H, S, D)`` keys, same dtype and device (grouped-query key/value heads
-            must be expanded to ``H`` first).
-        v: ``(B, H, S, D)`` values.
+        k: ``(B, Hkv, S, D)`` keys, same dtype and device; ``Hkv`` divides ``H``:
+            query head ``h`` reads key/value head ``h // (H // Hkv)`` in place
+            (grouped-query attention; ``Hkv = H`` is multi-head attention).
+        v: ``(B, Hkv, S, D)`` values.
         is_causal: top-left aligned causal mask: query ``i`` sees key ``j`` when
             ``j <= i`` (also for ``L != S``, as ``torch.nn.functional.scaled_dot_product_attention``).
         scale: multiplies the scores; defaults to ``1 / sqrt(D)``.

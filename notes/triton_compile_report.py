@@ -9,8 +9,8 @@ holds. Spills and a missing wgmma are the first things to fix before timing on a
     python notes/triton_compile_report.py 64,float16,causal,kpm 128,bfloat16
     python notes/triton_compile_report.py 128,bfloat16,causal --config 128,64,8,3,32,64,64,32,8,2
 
-A case is ``D,dtype[,causal][,kpm][,left][,right][,cap]`` (the last three: a sliding window
-bounded on that side, soft-capping); ``--config`` overrides the launch table with the ten
+A case is ``D,dtype[,causal][,kpm][,left][,right][,cap][,gqaG]`` (a sliding window
+bounded on that side, soft-capping, G query heads per key/value head); ``--config`` overrides the launch table with the ten
 fields of ``triton_flash._Config`` (block_m, block_n, num_warps, num_stages, block_m1,
 block_n1, block_m2, block_n2, bwd_num_warps, bwd_num_stages), and an optional 11th, ``1`` to
 load the inner loops' tiles through tensor descriptors (``tma``; the ``tma=`` column counts
@@ -57,14 +57,15 @@ def resources(kernel) -> str:
 
 
 def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config | None,
-           left: bool = False, right: bool = False, cap: bool = False) -> None:
+           left: bool = False, right: bool = False, cap: bool = False, group: int = 1) -> None:
     kernels = tf._load_kernels(False)
     block_d = tf._head_dim_block(D)
     cfg = cfg or tf._gpu_config(block_d, dtype)
     target = GPUTarget("cuda", 90, 32)
     P = f"*{TYPES[dtype]}"
     common = dict(IS_CAUSAL=causal, WINDOW_LEFT=left, WINDOW_RIGHT=right, HAS_SOFTCAP=cap, HAS_KPM=kpm,
-                  BLOCK_D=block_d, EVEN_D=block_d == D, DOT_PRECISION=tf._dot_precision(dtype))
+                  BLOCK_D=block_d, EVEN_D=block_d == D, DOT_PRECISION=tf._dot_precision(dtype),
+                  GROUP=group)  # query heads per key/value head
     strides = {n: "i32" for n in ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn")}
     tail = dict(stride_mb="i32", stride_lb="i32", stride_lh="i32", L="i32", S="i32", D="i32")
     options = dict(qk_scale="fp32", tanh_scale="fp32", win_lo="i32", win_hi="i32")  # window and softcap
@@ -83,7 +84,7 @@ def report(D: int, dtype: torch.dtype, causal: bool, kpm: bool, cfg: tf._Config 
          cfg.bwd_num_stages),
     ]
     print(f"D={D} {TYPES[dtype]} causal={causal} kpm={kpm} window_left={left} window_right={right} "
-          f"softcap={cap} {cfg}")
+          f"softcap={cap} group={group} {cfg}")
     for name, fn, sig, blocks, warps, stages in jobs:
         constexprs = dict(common, **blocks)
         start = time.time()
@@ -102,8 +103,9 @@ def main() -> None:
     cfg = tf._Config(*map(int, args.config.split(","))) if args.config else None
     for case in args.cases:
         D, dtype, *flags = case.split(",")
+        group = next((int(f[3:]) for f in flags if f.startswith("gqa")), 1)  # gqa4: 4 query heads per kv head
         report(int(D), getattr(torch, dtype), "causal" in flags, "kpm" in flags, cfg,
-               "left" in flags, "right" in flags, "cap" in flags)
+               "left" in flags, "right" in flags, "cap" in flags, group)
 
 
 if __name__ == "__main__":

@@ -424,6 +424,12 @@ ROUTING_CASES = {
                                                    score_mod=mods.softcap(0.8))),
     "gqa + causal mod + padding": (((1, 4, 9, 16), (1, 2, 9, 16), (1, 2, 9, 16)), (1, 1, 1, 9),
                                    dict(enable_gqa=True, mask_mod=mods.causal(2))),
+    # grouped heads read in place (the mask is the same for every head) ...
+    "gqa in place, batch padding (B, 1, 1, S)": (((3, 6, 7, 16), (3, 2, 13, 16), (3, 2, 13, 16)), (3, 1, 1, 13),
+                                                 dict(enable_gqa=True, is_causal=True)),
+    # ... or expanded, when the mask differs per head
+    "gqa, per-head padding (B, H, 1, S)": (((2, 4, 7, 16), (2, 2, 13, 16), (2, 2, 13, 16)), (2, 4, 1, 13),
+                                           dict(enable_gqa=True)),
 }
 
 
@@ -439,7 +445,13 @@ def _routing_worker(device: str) -> dict:
             if "empty" in name:
                 mask[1, 0] = False  # one (batch, head) with every key padded: its rows give 0
             mask = mask.to(device)
-        out = scaled_dot_product_attention(q, k, v, mask, backend="triton", **kw)
+        expanded = []  # key/value heads repeated for the kernel (grouped heads not read in place)
+        original = _inputs.expand_kv_heads
+        _inputs.expand_kv_heads = lambda *a, **k: expanded.append(a[2]) or original(*a, **k)
+        try:
+            out = scaled_dot_product_attention(q, k, v, mask, backend="triton", **kw)
+        finally:
+            _inputs.expand_kv_heads = original
         assert out.device == q.device
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         ref = scaled_dot_product_attention(*leaves, mask, **kw)
@@ -450,6 +462,7 @@ def _routing_worker(device: str) -> dict:
             "out": (out.double() - ref).abs().max().item(),
             "grad": max((a.double() - b).abs().max().item() for a, b in zip(got, want)),
             "empty_rows_zero": bool(torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))) if "empty" in name else True,
+            "expanded": expanded,
         }
     return results
 
@@ -480,6 +493,9 @@ def test_routing_to_triton_matches_reference(routing_results, name):
     result = routing_results[name]
     assert result["out"] < 1e-5 and result["grad"] < 2e-5, result
     assert result["empty_rows_zero"], result
+    # grouped key/value heads are read in place unless the mask differs per head
+    per_head = "per-head" in name and ROUTING_CASES[name][2].get("enable_gqa")
+    assert result["expanded"] == (["key", "value"] if per_head else []), result
 
 
 if __name__ == "__main__":

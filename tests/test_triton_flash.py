@@ -97,6 +97,7 @@ class Case:
     softcap: float | None = None
     nan: str = "none"  # "keys" / "queries": NaN in the tiles that no query's window reaches
     empty_rows: bool = False  # the window leaves some query rows without a key
+    hkv: int | None = None  # key/value heads, H // hkv query heads each (grouped-query); None = H
 
     @property
     def id(self) -> str:
@@ -111,6 +112,8 @@ class Case:
             parts.append(f"nan-{self.nan}")
         if self.scale is not None:
             parts.append(f"scale{self.scale}")
+        if self.hkv is not None:
+            parts.append(f"gqa{self.H}x{self.hkv}")
         if self.layout != "bhld":
             parts.append(self.layout)
         if self.config is not None:
@@ -202,6 +205,18 @@ TMA_CASES = [
     Case(1, 4, 1000, 1031, 128, "bfloat16", False, config=TMA_D128, gpu_only=True),
 ]
 CASES += TMA_CASES
+# Grouped-query heads read in place: query head h uses key/value head h // (H // Hkv); the
+# dK/dV kernel sums over each group's query heads.
+GQA_CASES = [
+    Case(2, 4, 33, 47, 16, "float32", True, "pad", hkv=2),
+    Case(1, 6, 47, 33, 24, "float32", False, hkv=1),  # multi-query, D padded
+    Case(2, 6, 21, 37, 16, "float32", False, "pad", hkv=3, window=(3, 1), offset=16, softcap=1.5),
+    Case(1, 4, 33, 33, 32, "float16", True, "pad", hkv=2, layout="blhd"),
+    Case(2, 4, 33, 47, 16, "float32", True, "pad", hkv=2, config=TMA),
+    Case(1, 4, 40, 72, 16, "float32", False, "pad", hkv=2, config=OBLONG, max_grid=1),  # head chunks
+    Case(2, 8, 1000, 1000, 128, "bfloat16", True, "pad", hkv=2, gpu_only=True),
+]
+CASES += GQA_CASES
 
 
 
@@ -231,12 +246,13 @@ def make_inputs(case: Case, device: str, seed: int):
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype)
 
+    hkv = case.hkv or case.H
     if case.layout == "blhd":  # (B, L, H, D) storage seen as (B, H, L, D): non-contiguous views
         q = rand(case.B, case.L, case.H, case.D).transpose(1, 2)
-        k = rand(case.B, case.S, case.H, case.D).transpose(1, 2)
-        v = rand(case.B, case.S, case.H, case.D).transpose(1, 2)
+        k = rand(case.B, case.S, hkv, case.D).transpose(1, 2)
+        v = rand(case.B, case.S, hkv, case.D).transpose(1, 2)
     else:
-        q, k, v = rand(case.B, case.H, case.L, case.D), rand(case.B, case.H, case.S, case.D), rand(case.B, case.H, case.S, case.D)
+        q, k, v = rand(case.B, case.H, case.L, case.D), rand(case.B, hkv, case.S, case.D), rand(case.B, hkv, case.S, case.D)
     do = rand(case.B, case.H, case.L, case.D)
     mask = None
     if case.mask == "pad":
@@ -318,7 +334,7 @@ def run_case(case: Case, device: str) -> dict[str, object]:
     mask_mod = None if case.window is None else mods.sliding_window(*case.window, offset=case.offset)
     score_mod = None if case.softcap is None else mods.softcap(case.softcap)
     ref = scaled_dot_product_attention(*ref_inputs, attn_mask, is_causal=case.causal, scale=case.scale,
-                                       mask_mod=mask_mod, score_mod=score_mod)
+                                       mask_mod=mask_mod, score_mod=score_mod, enable_gqa=case.hkv is not None)
     refs = (ref, *torch.autograd.grad(ref, ref_inputs, clean[3].double()))
 
     result: dict[str, object] = dict(planted)
@@ -368,7 +384,7 @@ def flash_attention_rule(case: Case, inputs, outputs, attn_mask, mask_mod, score
     try:
         assert_attention_close(out, q, k, v, grad_output=do, actual_grads=(dq, dk, dv),
                                attn_mask=attn_mask, is_causal=case.causal, scale=case.scale,
-                               mask_mod=mask_mod, score_mod=score_mod)
+                               mask_mod=mask_mod, score_mod=score_mod, enable_gqa=case.hkv is not None)
     except AssertionError as error:
         return False, str(error)
     return True, ""
@@ -483,7 +499,10 @@ def _qkv(B=1, H=2, L=5, S=7, D=16, dtype=torch.float32):
         (lambda q, k, v: (q.double(), k, v), TypeError, "q must be float16, bfloat16 or float32, got torch.float64"),
         (lambda q, k, v: (q, k.half(), v), TypeError, r"k must have the same dtype as q \(torch.float32\), got torch.float16"),
         (lambda q, k, v: (q, k, v.int()), TypeError, "v must be float16, bfloat16 or float32, got torch.int32"),
-        (lambda q, k, v: (q, k[:, :1], v), ValueError, r"k must have the same \(B, H\) as q.*\(1, 2\).*\(1, 1\)"),
+        (lambda q, k, v: (q, k.repeat(1, 2, 1, 1)[:, :3], v), ValueError,
+         r"k must have q's batch B and a number of heads Hkv that divides q's H.*\(1, 2\).*\(1, 3\)"),
+        (lambda q, k, v: (q, k.repeat(2, 1, 1, 1), v), ValueError, r"k must have q's batch B.*\(1, 2\).*\(2, 2\)"),
+        (lambda q, k, v: (q, k[:, :1], v), ValueError, r"k and v must have the same number of heads Hkv"),
         (lambda q, k, v: (q, k, v[:, :, :3]), ValueError, r"k and v must have the same length S.*S=7.*S=3"),
         (lambda q, k, v: (q, k[..., :8], v), ValueError, r"k must have the same head size D as q.*D=16.*D=8"),
         (lambda q, k, v: (q[..., :8], k[..., :8], v[..., :8]), ValueError, r"head size D must be in \[16, 128\], got D=8"),
@@ -652,6 +671,8 @@ def _compile_loops(kernel: str, inner: str):
             calls = [n for n in ast.walk(stmt) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == inner]
             if isinstance(stmt, ast.If) and calls:
                 steps.append(("if", expr(stmt.test), plan(stmt.body), plan(stmt.orelse)))
+            elif isinstance(stmt, ast.For) and calls:  # dK/dV's loop over a group's query heads:
+                steps.extend(plan(stmt.body))  # the same bounds for every head, planned once
             elif calls:
                 steps.append(("call", [expr(calls[0].args[i]) for i in picks]))
             elif any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in _BOUND_NAMES
