@@ -18,9 +18,9 @@ Asking for cuda where ``torch.cuda.is_available()`` is False stops the run at on
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import importlib.util
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,6 +30,12 @@ import torch
 # blocks collected by tests/docs call the kernel in this process). torch does not import triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Import triton now, with the interpreter on: Triton defines its own library functions at
+    # its first import, in the mode of that moment, and a test that removes the variable (to
+    # check the error message) would otherwise make that first import a compiled-mode one for
+    # every later test and page block of the process.
+    if importlib.util.find_spec("triton") is not None:
+        import triton  # noqa: F401
 import torch.nn.functional as F
 
 DEVICES = ("cpu", "cuda")
