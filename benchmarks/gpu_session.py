@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.metadata
 import itertools
 import json
 import math
@@ -65,6 +64,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from attention_ref import scaled_dot_product_attention  # noqa: E402
+from attention_bench import _commit, _version, write_json_atomic  # noqa: E402  (benchmarks/, beside this file)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -81,32 +81,6 @@ def _out_dir(args: argparse.Namespace) -> Path:
     out = Path(args.out or os.environ.get("OUT") or "/tmp/gpu-session")
     out.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*cmd: str) -> str | None:
-    try:
-        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _commit() -> dict:
-    """The git commit measured: from git, or where the tree was copied without ``.git`` (the device
-    machine gets a copy of the working tree), from ``ATTENTION_REF_GIT_COMMIT`` set by the caller."""
-    commit = _git("rev-parse", "HEAD")
-    if commit is not None:
-        return {"git_commit": commit, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-                "git_commit_from": "git"}
-    given = os.environ.get("ATTENTION_REF_GIT_COMMIT")
-    return {"git_commit": given, "git_dirty": None,
-            "git_commit_from": "ATTENTION_REF_GIT_COMMIT" if given else "unknown (no git, variable unset)"}
 
 
 def provenance(argv: list[str]) -> dict:
@@ -350,10 +324,7 @@ def _sweep_line(row: dict) -> str:
 
 def _write(args: argparse.Namespace, name: str, record: dict) -> None:
     """Write ``record`` as JSON under the output folder, atomically (a killed run leaves a whole file)."""
-    path = _out_dir(args) / name
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(_out_dir(args) / name, record)
 
 
 def main(argv: list[str] | None = None) -> int:
