@@ -534,67 +534,41 @@ def _triton(
     enable_gqa: bool,
     **options: object,
 ) -> torch.Tensor:
-    """Call `attention_ref.triton_flash.flash_attention` on ``(N, 1, L, D)`` tensors.
+    """Call `attention_ref.triton_flash.flash_attention` on ``(N, h, L|S, D)`` tensors.
 
-    Every leading dim (batch and heads) goes to the kernel's batch axis, so a
-    key-padding mask may differ per batch entry and per head: it becomes the
-    kernel's ``(N, S)`` ``key_padding_mask``. Grouped-query heads
-    (``enable_gqa``) go to the kernel's head axis instead, ``(N, H, L, D)`` with
-    ``(N, Hkv, S, D)`` keys and values read in place, when the mask is the same
-    for every head; a mask that differs per head expands the key/value heads.
+    Grouped-query heads (``enable_gqa``) with a mask that is the same for every
+    head keep the heads on the kernel's head axis: ``(N, H, L, D)`` queries and
+    ``(N, Hkv, S, D)`` keys and values, read in place (query head ``h`` uses
+    key/value head ``h // (H / Hkv)``). Otherwise every leading dim (batch and
+    heads) goes to the kernel's batch axis, ``h = 1``, so a key-padding mask may
+    differ per batch entry and per head (grouped heads are expanded first). The
+    mask becomes the kernel's ``(N, S)`` ``key_padding_mask``.
     """
     from attention_ref.triton_flash import flash_attention
 
-    if enable_gqa and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1):
-        return _triton_grouped(query, key, value, mask, is_causal=is_causal, scale=scale, **options)
-    if enable_gqa:  # a per-head mask: as many key/value heads as query heads
+    grouped = enable_gqa and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1)
+    if enable_gqa and not grouped:  # a per-head mask: as many key/value heads as query heads
         key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
-    batch = _batch_shape(query, key, value, False)
+    kept = 1 if grouped else 0  # leading dims kept on the kernel's head axis
+    if grouped:
+        mask_batch = mask.shape[:-3] if mask is not None and mask.dim() > 3 else ()
+        batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3], mask_batch))
+    else:
+        batch = _batch_shape(query, key, value, False)
     N = math.prod(batch)
-    # (..., L|S, D) -> (*batch, L|S, D) -> (N, 1, L|S, D); copies only broadcast dims.
-    q4, k4, v4 = (t.expand(*batch, *t.shape[-2:]).reshape(N, 1, *t.shape[-2:]) for t in (query, key, value))
+
+    def to_kernel(t: torch.Tensor) -> torch.Tensor:
+        # (..., [heads,] L|S, D) -> (*batch, [heads,] L|S, D) -> (N, heads or 1, L|S, D);
+        # copies only broadcast dims
+        tail = t.shape[t.dim() - 2 - kept:]
+        return t.expand(*batch, *tail).reshape(N, tail[0] if kept else 1, *t.shape[-2:])
+
     key_padding = None
     if mask is not None:
-        # (..., 1, S') -> (*batch, 1, S) -> (N, S): one row of keys per batch entry and head
-        key_padding = mask.expand(*batch, 1, S).reshape(N, S)
+        # (..., [1,] 1, S') -> (*batch, [1,] 1, S) -> (N, S): one row of keys per kernel batch entry
+        key_padding = mask.expand(*batch, *(1,) * kept, 1, S).reshape(N, S)
     # The kernel itself gives 0 (and zero gradients) on rows where no key takes part.
-    out = flash_attention(q4, k4, v4, is_causal=is_causal, scale=scale, key_padding_mask=key_padding,
-                          **options)  # type: ignore[arg-type]
-    return out.reshape(*batch, L, Ev)
-
-
-def _triton_grouped(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    is_causal: bool,
-    scale: float,
-    **options: object,
-) -> torch.Tensor:
-    """`_triton` for grouped-query heads: ``(N, H, L, D)`` queries, ``(N, Hkv, S, D)`` keys and values.
-
-    The kernel maps query head ``h`` to key/value head ``h // (H / Hkv)``, as
-    ``enable_gqa`` does, so the key/value heads are never repeated. ``mask`` is a
-    key-padding mask the same for every head (``(..., 1, 1, S)`` or fewer dims).
-    """
-    from attention_ref.triton_flash import flash_attention
-
-    H, L, S, Ev = query.shape[-3], query.shape[-2], key.shape[-2], value.shape[-1]
-    Hkv = key.shape[-3]
-    mask_batch = mask.shape[:-3] if mask is not None and mask.dim() > 3 else ()
-    batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3], mask_batch))
-    N = math.prod(batch)
-    # (..., H|Hkv, L|S, D) -> (*batch, H|Hkv, L|S, D) -> (N, H|Hkv, L|S, D); copies only broadcast dims
-    q4 = query.expand(*batch, *query.shape[-3:]).reshape(N, H, L, query.shape[-1])
-    k4 = key.expand(*batch, *key.shape[-3:]).reshape(N, Hkv, S, key.shape[-1])
-    v4 = value.expand(*batch, *value.shape[-3:]).reshape(N, Hkv, S, Ev)
-    key_padding = None
-    if mask is not None:
-        # (..., 1, 1, S') -> (*batch, 1, 1, S) -> (N, S): one row of keys per batch entry
-        key_padding = mask.expand(*batch, 1, 1, S).reshape(N, S)
-    out = flash_attention(q4, k4, v4, is_causal=is_causal, scale=scale, key_padding_mask=key_padding,
-                          **options)  # type: ignore[arg-type]
-    return out.reshape(*batch, H, L, Ev)
+    out = flash_attention(to_kernel(query), to_kernel(key), to_kernel(value), is_causal=is_causal, scale=scale,
+                          key_padding_mask=key_padding, **options)  # type: ignore[arg-type]
+    return out.reshape(*batch, *query.shape[query.dim() - 2 - kept:-2], L, Ev)
