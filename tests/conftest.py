@@ -144,3 +144,23 @@ def torch_sdpa() -> Callable[..., torch.Tensor]:
 def generator() -> torch.Generator:
     """A CPU generator with a fixed seed, for tests that need one stream of random numbers."""
     return torch.Generator().manual_seed(20240607)
+
+
+@pytest.fixture
+def score_blocks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """``(i0, j0, j1)`` of every block of scores the tiled path computes, forward and backward.
+
+    Records the calls of ``attention_ref.tiled._scores_block`` (query rows from ``i0``, keys
+    ``j0:j1``): how the tests prove that blocks a mask empties are never computed.
+    """
+    from attention_ref import tiled
+
+    calls: list[tuple[int, int, int]] = []
+    original = tiled._scores_block
+
+    def recording(q_blk, kT_blk, *args, **kwargs):
+        calls.append((args[3], args[5], args[6]))  # (i0, j0, j1) after mask, is_causal, batch
+        return original(q_blk, kT_blk, *args, **kwargs)
+
+    monkeypatch.setattr(tiled, "_scores_block", recording)
+    return calls

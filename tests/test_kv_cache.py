@@ -156,12 +156,11 @@ def test_paged_in_a_shuffled_pool_equals_contiguous_equals_each_sequence(hkv, bl
 
 
 @pytest.mark.parametrize("backend", ["tiled", "sdpa", "auto"])
-def test_a_prefill_on_other_backends_equals_each_sequence_alone(backend, monkeypatch):
+def test_a_prefill_on_other_backends_equals_each_sequence_alone(backend, score_blocks):
     # 280 new tokens per sequence against caches holding 300 and 280 tokens (the new ones
     # included; one prompt was prefilled, the other continues a 20-token prefix), in 320 slots:
     # outputs and gradients equal each sequence alone, and the tiled backend skips the key
     # blocks above both sequences' causal diagonals.
-    from attention_ref import tiled
     from attention_ref.backends import TILED_MODS_BLOCK_K, TILED_MODS_BLOCK_Q
 
     gen = torch.Generator().manual_seed(7)
@@ -169,10 +168,7 @@ def test_a_prefill_on_other_backends_equals_each_sequence_alone(backend, monkeyp
     q = _randn(2, H, Lq, E, gen=gen).requires_grad_()
     key_cache = _randn(2, hkv, 320, E, gen=gen).requires_grad_()
     value_cache = _randn(2, hkv, 320, EV, gen=gen)
-    computed = []
-    original = tiled._scores_block
-    monkeypatch.setattr(tiled, "_scores_block",  # records (i0, j0, j1) of every score block computed
-                        lambda *a, **k: computed.append((a[5], a[7], a[8])) or original(*a, **k))
+    computed = score_blocks
     out = attention_with_kv_cache(q, key_cache, value_cache, torch.tensor(lengths), is_causal=True,
                                   backend=backend)
     g = _randn(*out.shape, gen=gen)

@@ -104,20 +104,13 @@ def test_other_backends_give_the_same_result(name, causal, backend):
     _assert_same_with_gradients(out, _per_sequence(q, k, v, lq, lk, causal), [q, k, v])
 
 
-def test_the_tiled_backend_computes_only_the_blocks_of_the_sequences(monkeypatch):
+def test_the_tiled_backend_computes_only_the_blocks_of_the_sequences(score_blocks):
     # Six sequences of 40 to 300 tokens, packed: with the dispatcher's 128 x 128 tiles most of the
     # (total_q, total_k) blocks hold no pair of one sequence. The blocks whose scores are
     # computed, forward and backward, are exactly the non-empty ones of the varlen mask.
     lengths = [300, 40, 260, 120, 300, 180]
     q, k, v, cu, _ = _packed(lengths, lengths, heads=(2, 1))
-    computed = []
-    original = tiled._scores_block
-
-    def counting(q_blk, kT_blk, *args, **kwargs):
-        computed.append((args[3], args[5], args[6]))  # (i0, j0, j1) after mask, is_causal, batch
-        return original(q_blk, kT_blk, *args, **kwargs)
-
-    monkeypatch.setattr(tiled, "_scores_block", counting)
+    computed = score_blocks
     total = sum(lengths)
     bq, bk = TILED_MODS_BLOCK_Q, TILED_MODS_BLOCK_K  # the tiles backend="tiled" uses with a mask_mod
     for causal in (False, True):
