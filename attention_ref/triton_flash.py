@@ -408,30 +408,31 @@ def _forward(
     return o, lse
 
 
-_TMA_ALLOCATOR_SET = False
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's scratch allocator for descriptors made in a kernel: bytes on the current CUDA device."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _tma_fits(*tensors: torch.Tensor) -> bool:
-    """Whether the tensors can be read through tensor descriptors; sets Triton's scratch allocator once.
+    """Whether the tensors can be read through tensor descriptors; sets Triton's scratch allocator.
 
     A descriptor needs 16-byte aligned row strides and base addresses (rows of D elements,
     every (batch, head) slab starting on one): D * element size a multiple of 16. Descriptors
     made inside a kernel need global scratch memory on a GPU, which Triton asks for through
-    the allocator set with ``triton.set_allocator``.
+    the allocator set with ``triton.set_allocator``. That setting is a context variable, so
+    it holds only in the thread that set it: autograd runs a CUDA backward in its own
+    thread, where an allocator set once in the forward's thread is missing (seen on an H100,
+    triton 3.6: "Kernel requires a runtime memory allocation, but no allocator was set").
+    So it is set here, in the launching thread, before every launch that reads through
+    descriptors.
     """
-    global _TMA_ALLOCATOR_SET
     rows_aligned = all((t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
     if not rows_aligned:
         return False
-    device = tensors[0].device
-    if device.type == "cuda" and not _TMA_ALLOCATOR_SET:
+    if tensors[0].device.type == "cuda":
         import triton
 
-        def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-            return torch.empty(size, device=device, dtype=torch.int8)
-
-        triton.set_allocator(scratch)
-        _TMA_ALLOCATOR_SET = True
+        triton.set_allocator(_scratch)
     return True
 
 

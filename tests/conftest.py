@@ -80,8 +80,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def device(pytestconfig: pytest.Config) -> torch.device:
-    """The device the inputs go to: ``--device`` / ``ATTENTION_REF_TEST_DEVICE``, else cpu."""
-    return torch.device(pytestconfig.stash[_DEVICE])
+    """The device the inputs go to: ``--device`` / ``ATTENTION_REF_TEST_DEVICE``, else cpu.
+
+    On CUDA it carries the current index (``cuda:0``), as tensors made there report it:
+    ``torch.device("cuda") != torch.device("cuda", 0)``, so a bare ``cuda`` would fail every
+    ``out.device == device`` check (seen on an H100).
+    """
+    name = pytestconfig.stash[_DEVICE]
+    return torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 # (atol, rtol) for comparing attention_ref with PyTorch in each dtype. float64 is
 # tight: the two compute the same formula, only the order of the roundings differs.

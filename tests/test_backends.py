@@ -156,6 +156,7 @@ def torch_sdpa_calls(monkeypatch):
 def test_sdpa_gets_4d_inputs_and_one_combined_mask(torch_sdpa_calls, device):
     q, k, v = (torch.randn(3, n, e, device=device) for n, e in ((7, 8), (13, 8), (13, 5)))
     mask = torch.rand(3, 7, 13, device=device) > 0.3
+    mask[..., 0] = True  # no empty row: off the CPU, _sdpa unmasks those before torch's call
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, scale=0.3, backend="sdpa")
     (call,) = torch_sdpa_calls
     assert call["q"].shape == (1, 3, 7, 8) and call["k"].shape == (1, 3, 13, 8)
