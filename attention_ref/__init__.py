@@ -36,6 +36,7 @@ from attention_ref import (
     masks,
     mods,
     positional,
+    sinks,
     testing,
     tiled,
     varlen,
@@ -50,9 +51,11 @@ from attention_ref.masks import (
     to_additive,
 )
 from attention_ref.multihead import MultiHeadAttention
+from attention_ref.sinks import add_sinks
 
 __all__ = [
     "MultiHeadAttention",
+    "add_sinks",
     "attention_weights",
     "causal_mask",
     "combine_masks",
@@ -69,6 +72,7 @@ __all__ = [
     "padding_mask_from_tokens",
     "positional",
     "scaled_dot_product_attention",
+    "sinks",
     "testing",
     "tiled",
     "to_additive",

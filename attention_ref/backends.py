@@ -5,12 +5,12 @@ once, then hands clean tensors to one of these implementations. Each equals
 the reference (``"math"``) within floating-point tolerance, and the tests hold
 it to that on random shapes, masks and dtypes.
 
-| backend | what it is | weights, lse | masks | mods | dropout | devices |
+| backend | what it is | weights, lse, sinks | masks | mods | dropout | devices |
 |---|---|---|---|---|---|---|
-| ``math`` | the reference: forms the ``(L, S)`` scores | yes, yes | bool, float | every ``score_mod`` and ``mask_mod`` | yes | any |
-| ``tiled`` | `attention_ref.tiled`, online softmax | no, yes | bool, float | every mod; skips the blocks a ``mask_mod`` empties | no | any |
-| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no, no | bool, float | a ``mask_mod``, materialised as a boolean ``(..., L, S)`` mask; no ``score_mod`` | yes | any |
-| ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no, no | key padding (bool) | `mods.causal`, `mods.sliding_window`, `mods.softcap` (recognised by `mods.describe`) | no | CUDA (or the interpreter) |
+| ``math`` | the reference: forms the ``(L, S)`` scores | yes, yes, yes | bool, float | every ``score_mod`` and ``mask_mod`` | yes | any |
+| ``tiled`` | `attention_ref.tiled`, online softmax | no, yes, yes (`attention_ref.add_sinks` after the last block) | bool, float | every mod; skips the blocks a ``mask_mod`` empties | no | any |
+| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no, no, no | bool, float | a ``mask_mod``, materialised as a boolean ``(..., L, S)`` mask; no ``score_mod`` | yes | any |
+| ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no, no, no | key padding (bool) | `mods.causal`, `mods.sliding_window`, `mods.softcap` (recognised by `mods.describe`) | no | CUDA (or the interpreter) |
 
 All of them support ``is_causal`` (top-left aligned, combined with
 ``attn_mask``), ``scale``, grouped-query heads (``enable_gqa``) and autograd,
@@ -22,7 +22,7 @@ and give output 0 for a query row that no key may attend to.
 1. weights requested (``return_weights=True``) -> ``"math"``, the only path
    that forms them; the log-sum-exp requested (``return_lse=True``) -> what
    the rules below pick if it is ``"tiled"``, else ``"math"``, the two paths
-   that return it;
+   that return it; the same for learned sinks (``sinks=``);
 2. CUDA tensors -> ``"triton"`` when the kernel has been verified on a GPU
    (``TRITON_VERIFIED_ON_GPU``), is installed and supports the call (no
    dropout, a key-padding mask or none, mods it implements, ``E == Ev`` in
@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from attention_ref import _inputs, mods
 from attention_ref._validation import check_probability, fmt_shape
 from attention_ref.masks import causal_mask, combine_masks
+from attention_ref.sinks import check_sinks, heads_of
 from attention_ref.tiled import BlockMask, _batch_shape, _mod_sizes, _tiled, create_block_mask
 
 __all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "TRITON_VERIFIED_ON_GPU", "auto_rule", "check_backend", "select_backend"]
@@ -146,6 +147,7 @@ def select_backend(
     score_mod: mods.ScoreMod | None = None,
     mask_mod: mods.MaskMod | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> str:
     """The backend `attention_ref.scaled_dot_product_attention` would run for these arguments.
 
@@ -180,8 +182,11 @@ def select_backend(
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
     query, key, value, mask, _ = _inputs.prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
+    if sinks is not None:
+        sinks = check_sinks(sinks, heads_of(_batch_shape(query, key, value, enable_gqa)), query)
     call = Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
+                return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse,
+                sinks=sinks)
     return _select(backend, call)
 
 
@@ -203,6 +208,8 @@ class Call:
     score_mod: mods.ScoreMod | None = None
     mask_mod: mods.MaskMod | None = None
     return_lse: bool = False
+    #: ``(H,)`` learned sink logits, checked (`attention_ref.sinks`); only math and tiled take them.
+    sinks: torch.Tensor | None = None
     #: Made by ``"auto"`` when it looked at the mask_mod's sparsity; the tiled path reuses it.
     block_mask: BlockMask | None = None
 
@@ -215,8 +222,8 @@ def _select(backend: str, call: Call) -> str:
     """Resolve ``"auto"`` and check that the backend can honour the (validated) call."""
     if backend == "auto":
         chosen = _auto(call)
-        if call.return_lse and chosen not in ("math", "tiled"):
-            return "math"  # rule 1: only these two return the log-sum-exp
+        if (call.return_lse or call.sinks is not None) and chosen not in ("math", "tiled"):
+            return "math"  # rule 1: only these two return the log-sum-exp and take sinks
         return chosen
     reason = _unsupported(backend, call)
     if reason is not None:
@@ -324,6 +331,12 @@ def _unsupported(backend: str, call: Call) -> str | None:
     query, value, mask, dropout_p = call.query, call.value, call.mask, call.dropout_p
     if backend == "math":
         return None
+    if call.sinks is not None and backend != "tiled":
+        return (
+            "torch's scaled_dot_product_attention takes no learned sinks (sinks=); use backend='math' or 'tiled'"
+            if backend == "sdpa" else
+            "the Triton kernel takes no learned sinks (sinks=) yet; use backend='math' or 'tiled'"
+        )
     if call.return_lse and backend != "tiled":
         return (
             "it does not return the log-sum-exp (return_lse=True): torch's public "
@@ -381,6 +394,8 @@ def _triton_options(call: Call) -> tuple[dict[str, object], str | None]:
 
     The kernel implements `mods.causal` and `mods.sliding_window` (as its
     window) and `mods.softcap` natively; it recognises them by `mods.describe`.
+    It has no sink tokens: a window with ``sink_tokens > 0`` is refused (its key
+    loop starts at the window's left end and would never reach the sinks).
     """
     options: dict[str, object] = {}
     made = mods.describe(call.mask_mod)
@@ -391,6 +406,11 @@ def _triton_options(call: Call) -> tuple[dict[str, object], str | None]:
                 "(recognised by mods.describe), got another mask_mod; use backend='math' or 'tiled'"
             )
         args = made[1]
+        if made[0] == "sliding_window" and args["sink_tokens"] != 0:
+            return options, (
+                "the Triton kernel has no sink tokens: it takes mods.sliding_window only with "
+                f"sink_tokens=0, got sink_tokens={args['sink_tokens']}; use backend='math' or 'tiled'"
+            )
         options["window"] = (None, 0) if made[0] == "causal" else (args["left"], args["right"])
         options["window_offset"] = args["offset"]
     made = mods.describe(call.score_mod)
@@ -424,7 +444,7 @@ def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.T
         blocks = {"block_q": block_q, "block_k": block_k} if block_q is not None else {}
         return _tiled(query, key, value, mask, is_causal=call.is_causal, scale=scale, enable_gqa=call.enable_gqa,
                       score_mod=call.score_mod, mask_mod=call.mask_mod, block_mask=call.block_mask,
-                      return_lse=call.return_lse, **blocks)
+                      return_lse=call.return_lse, sinks=call.sinks, **blocks)
     if backend == "sdpa":
         if call.mask_mod is not None:  # materialised: a boolean (..., L, S) mask, combined with attn_mask
             batch = _batch_shape(query, key, value, call.enable_gqa)

@@ -23,8 +23,9 @@ The order of the steps, for every argument that takes part (the same in
 4. every boolean condition masks: a bool ``attn_mask``, ``is_causal`` and
    ``mask_mod(b, h, q_idx, kv_idx)``; a pair takes part only when all of them
    keep it (``True`` = takes part) and its score becomes ``-inf`` otherwise;
-5. softmax over the keys; a query row with no key left gives weights 0 and
-   output 0, with finite gradients.
+5. softmax over the keys, with the head's learned sink ``exp(sinks[h])`` in
+   the denominator when ``sinks`` is given (`attention_ref.sinks`); a query
+   row with no key left gives weights 0 and output 0, with finite gradients.
 
 For the mods the scores' leading dims ``(..., H)`` are read as batch and heads:
 ``h`` indexes the last leading dim, ``b`` the others flattened (0 when there
@@ -41,6 +42,7 @@ from attention_ref import backends as _backends
 from attention_ref import mods as _mods
 from attention_ref._validation import check_probability
 from attention_ref.masks import causal_mask
+from attention_ref.sinks import check_sinks, heads_of, sink_column
 
 __all__ = ["attention_weights", "merge_attention", "scaled_dot_product_attention"]
 
@@ -83,37 +85,72 @@ def _masked_scores(
     return scores
 
 
-def _log_sum_exp(scores: torch.Tensor) -> torch.Tensor:
-    """``log sum_j exp(scores_ij)`` over the last dim, ``-inf`` (with gradient 0) on a row of only ``-inf``.
+def _sink_scores(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The sinks as one more score per row, ``(..., H, L, 1)`` beside ``scores`` ``(..., H, L, S)``; or None."""
+    if sinks is None:
+        return None
+    column = sink_column(sinks, scores).unsqueeze(-1)  # (H,) -> (H, 1, 1)
+    return column.expand(*scores.shape[:-1], 1)  # (..., H, L, 1)
 
-    ``torch.logsumexp`` gives ``-inf`` there too, but a NaN gradient; here the
-    empty row's logarithm is taken of 1 and replaced, so no NaN reaches autograd.
+
+def _shift_and_denominator(
+    scores: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(exp(scores - m), m, denominator)`` per row, the sink's ``exp(s_h - m)`` in the denominator.
+
+    ``m`` is the row max over the scores and the sink (detached: a constant shift),
+    0 on a row where both are ``-inf``, so ``exp`` never overflows and never sees
+    ``-inf - -inf``. Shapes: ``(..., L, S)``, ``(..., L, 1)``, ``(..., L, 1)``.
     """
-    if scores.shape[-1] == 0:  # S = 0: every row is empty
-        return scores.sum(dim=-1).fill_(float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1)
+    sink = _sink_scores(scores, sinks)  # (..., L, 1) or None
+    if scores.shape[-1]:
+        row_max = scores.amax(dim=-1, keepdim=True)  # (..., L, 1)
+    else:  # S = 0: no key in any row
+        row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink)
+    row_max = row_max.detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    denom = torch.exp(scores - row_max).sum(dim=-1, keepdim=True)  # (..., L, 1)
+    exp = torch.exp(scores - row_max)  # (..., L, S), every entry in [0, 1]
+    denom = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)  # the sink's mass: a logit with no value
+    return exp, row_max, denom
+
+
+def _log_sum_exp(scores: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``log(sum_j exp(scores_ij) + exp(sinks[h]))`` over the last dim; ``(..., L, S) -> (..., L)``.
+
+    ``-inf`` (with gradient 0) on a row with no key and no sink. ``torch.logsumexp``
+    gives ``-inf`` there too, but a NaN gradient; here the empty row's logarithm is
+    taken of 1 and replaced, so no NaN reaches autograd.
+    """
+    _, row_max, denom = _shift_and_denominator(scores, sinks)
     lse = row_max + torch.log(torch.where(denom > 0, denom, torch.ones_like(denom)))
     return torch.where(denom > 0, lse, torch.full_like(lse, float("-inf"))).squeeze(-1)  # (..., L, 1) -> (..., L)
 
 
-def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+def _safe_softmax(scores: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over the last dim that gives 0 (not NaN) on rows where every score is -inf.
 
     The row max is subtracted first (softmax is unchanged by a shift), so large
     scores cannot overflow ``exp``. A fully masked row has max ``-inf``; it is
     shifted by 0 instead, its exponentials are all 0 and its weights stay 0.
     Gradients stay finite: the max is a constant shift (detached) and the
-    denominator of an empty row is replaced by 1 before dividing.
+    denominator of an empty row is replaced by 1 before dividing. With ``sinks``
+    the head's sink joins the denominator, so the weights sum to less than 1.
     """
     if scores.shape[-1] == 0:  # S = 0: every row is fully masked, nothing to normalise
         return scores
-    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    exp = torch.exp(scores - row_max)  # (..., L, S), every entry in [0, 1]
-    denom = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
+    exp, _, denom = _shift_and_denominator(scores, sinks)
     return exp / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _checked_sinks(sinks: object, batch: tuple[int, ...], query: torch.Tensor) -> torch.Tensor | None:
+    """``sinks`` checked against the head dim of the leading dims ``(..., H)``; None stays None."""
+    if sinks is None:
+        return None
+    return check_sinks(sinks, heads_of(batch), query)
 
 
 def attention_weights(
@@ -126,6 +163,7 @@ def attention_weights(
     enable_gqa: bool = False,
     score_mod: _mods.ScoreMod | None = None,
     mask_mod: _mods.MaskMod | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Attention weights ``softmax(scale * query @ key^T + mask)``.
 
@@ -148,10 +186,14 @@ def attention_weights(
             the scaled scores (FlexAttention's signature; `attention_ref.mods`).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = the pair
             takes part; combined (AND) with ``attn_mask`` and ``is_causal``.
+        sinks: ``(H,)``, one learned logit per query head (``H`` = the scores'
+            dim -3), added as ``exp(sinks[h])`` to each row's denominator, never
+            scaled (`attention_ref.sinks`).
 
     Returns:
         ``(..., L, S)`` weights in ``query``'s dtype, computed in at least float32.
         Each row sums to 1, except a row where no key takes part: it is all 0.
+        With ``sinks`` each row sums to ``1 - exp(sinks[h] - lse)``, less than 1.
 
     Raises:
         ValueError: shapes that do not fit, a non-positive or non-finite scale,
@@ -173,8 +215,9 @@ def attention_weights(
     query, key, _, mask, resolved = _inputs.prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key = _inputs.expand_kv_heads(query, key, "key")
-    weights = _safe_softmax(_masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod))
-    return weights.to(query.dtype)
+    scores = _masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
+    sinks = _checked_sinks(sinks, scores.shape[:-2], query)
+    return _safe_softmax(scores, sinks).to(query.dtype)
 
 
 def scaled_dot_product_attention(
@@ -192,6 +235,7 @@ def scaled_dot_product_attention(
     score_mod: _mods.ScoreMod | None = None,
     mask_mod: _mods.MaskMod | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     r"""Scaled dot-product attention, equal to ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -238,7 +282,16 @@ def scaled_dot_product_attention(
             exactly with it (`merge_attention`), as the tiled path, FlashAttention
             and ring attention do. The ``"math"`` and ``"tiled"`` backends return
             it (``"auto"`` picks one of them), in the compute dtype (at least
-            float32), with gradients; the others raise.
+            float32), with gradients; the others raise. With ``sinks`` it
+            includes the sink: ``log(sum_j exp(scores_ij) + exp(sinks[h]))``,
+            ``sinks[h]`` on a row with no key.
+        sinks: ``(H,)``, one learned logit per query head (``H`` = dim -3 of
+            the output; under ``enable_gqa`` the query heads), in the space of
+            the scaled (and modded) scores, never multiplied by ``scale``: it
+            adds ``exp(sinks[h])`` to every row's softmax denominator and has no
+            value (gpt-oss; `attention_ref.sinks`). ``-inf`` = no sink for that
+            head. The ``"math"`` and ``"tiled"`` backends take it (``"auto"``
+            picks one of them), with gradients to ``sinks``; the others raise.
 
     Returns:
         ``(..., L, Ev)`` in ``query``'s dtype; with ``return_weights`` the pair
@@ -272,23 +325,24 @@ def scaled_dot_product_attention(
     _inputs.check_mods(score_mod, mask_mod)
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
+    sinks = _checked_sinks(sinks, _backends._batch_shape(query, key, value, enable_gqa), query)
     call = _backends.Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
                           return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,
-                          return_lse=return_lse)
+                          return_lse=return_lse, sinks=sinks)
     chosen = _backends._select(backend, call)
     if chosen != "math":
         return _backends._run(chosen, call, resolved)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
     scores = _masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
-    weights = _safe_softmax(scores)
+    weights = _safe_softmax(scores, sinks)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     # (..., L, S) @ (..., S, Ev) -> (..., L, Ev)
     output = torch.matmul(weights, value.to(weights.dtype)).to(query.dtype)
     result = (output, weights.to(query.dtype)) if return_weights else (output,)
     if return_lse:
-        result += (_log_sum_exp(scores),)  # (..., L)
+        result += (_log_sum_exp(scores, sinks),)  # (..., L)
     return result if len(result) > 1 else output
 
 
@@ -317,6 +371,10 @@ def merge_attention(
     decoding and of ring attention. A part where a row had no key (``lse =
     -inf``) gets weight 0; a row with no key in either part stays output 0,
     ``lse = -inf``. Gradients are finite in every case.
+
+    The parts must be sink-free: a learned sink belongs to the query, not to a
+    set of keys, so it is added once, to the merged result, with
+    `attention_ref.add_sinks` (a sink in each part would be counted twice).
 
     Args:
         out_a: ``(..., L, Ev)``.

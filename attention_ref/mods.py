@@ -153,11 +153,13 @@ def describe(mod: Callable[..., object] | None) -> tuple[str, dict[str, object]]
     Fused kernels use it to recognise the mods they implement natively (the
     Triton kernel: `causal`, `sliding_window`, `softcap`); a mod written by hand,
     or combined with `and_masks`, `or_masks` or `compose`, gives ``None`` and
-    runs as a function.
+    runs as a function. A reader must honour every argument recorded here or
+    refuse the mod: the Triton kernel refuses `sliding_window` with
+    ``sink_tokens > 0``.
 
     Examples:
         >>> describe(sliding_window(3, offset=2))
-        ('sliding_window', {'left': 3, 'right': 0, 'offset': 2})
+        ('sliding_window', {'left': 3, 'right': 0, 'offset': 2, 'sink_tokens': 0})
         >>> describe(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) is None
         True
     """
@@ -219,34 +221,66 @@ def causal(offset: int = 0) -> MaskMod:
     return causal_mask_mod
 
 
-def sliding_window(left: int | None, right: int | None = 0, offset: int = 0) -> MaskMod:
+def sliding_window(left: int | None, right: int | None = 0, offset: int = 0, *, sink_tokens: int = 0) -> MaskMod:
     """Sliding window: key ``j`` takes part for query ``i`` when ``i + offset - left <= j <= i + offset + right``.
 
     Both ends are inclusive, so a window sees ``left + 1 + right`` keys. With the
     default ``right=0`` it is causal: ``sliding_window(W - 1)`` is Hugging Face's
     and vLLM's ``sliding_window=W`` (W keys including the current one).
 
+    ``sink_tokens=n`` keeps StreamingLLM's attention sinks (Xiao et al., 2023,
+    arXiv 2309.17453): the first ``n`` keys are exempt from the left end only, so
+    key ``j`` takes part when
+
+    ``(i + offset - left <= j or j < sink_tokens) and j <= i + offset + right``.
+
+    A sink key after the query's window (``j > i + offset + right``) stays hidden:
+    with ``right=0`` no query sees a future sink. This is FlashAttention's reference
+    ``construct_local_mask(..., sink_token_length)`` (``hopper/test_util.py``,
+    ``flash_attn/cute/testing.py``), where ``col < sink_token_length`` is exempt from
+    the left cut only. These sinks are real keys kept by the mask, not gpt-oss's
+    learned sink logit (a term added to the softmax denominator). StreamingLLM also
+    renumbers positions inside its rolling cache; that is not the mask's business.
+    With ``left=None`` there is no left cut and ``sink_tokens`` changes nothing.
+
     Args:
         left: keys before the query's position, ``>= 0``; ``None`` = unbounded.
         right: keys after it, ``>= 0``; ``None`` = unbounded.
         offset: query ``i`` sits at position ``i + offset``.
+        sink_tokens: the first keys (``j < sink_tokens``) kept by the left end of
+            the window, ``>= 0``; ``0`` (the default) keeps none.
 
     Returns:
         ``mask_mod(b, h, q_idx, kv_idx)``.
 
     Raises:
-        TypeError: a side that is not an int or None, ``offset`` not an int.
-        ValueError: a negative ``left`` or ``right``.
+        TypeError: a side that is not an int or None, ``offset`` or ``sink_tokens`` not an int.
+        ValueError: a negative ``left``, ``right`` or ``sink_tokens``.
 
     Examples:
         >>> create_mask(sliding_window(1), None, None, 4, 4)[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
         >>> create_mask(sliding_window(0, 1), None, None, 2, 3)[0, 0].int().tolist()
         [[1, 1, 0], [0, 1, 1]]
+
+        Two sink keys and a causal window of two keys: query 4 sees keys 0, 1 (the
+        sinks), 3 and 4; query 0 does not see sink key 1, which is after it.
+
+        >>> create_mask(sliding_window(1, sink_tokens=2), None, None, 5, 5)[0, 0].int().tolist()
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1]]
     """
     left = _check_window_side("left", left)
     right = _check_window_side("right", right)
     offset = _check_int("offset", offset)
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int):
+        raise TypeError(
+            f"sink_tokens must be a non-negative int (the first keys kept outside the window), "
+            f"got {type(sink_tokens).__name__}"
+        )
+    if sink_tokens < 0:
+        raise ValueError(
+            f"sink_tokens must be a non-negative int (the first keys kept outside the window), got {sink_tokens}"
+        )
 
     def sliding_window_mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -254,12 +288,15 @@ def sliding_window(left: int | None, right: int | None = 0, offset: int = 0) -> 
         distance = kv_idx - (q_idx + offset)  # j - (i + offset), negative for keys before the query
         keep = torch.ones_like(distance, dtype=torch.bool)
         if left is not None:
-            keep = keep & (distance >= -left)
+            inside = distance >= -left
+            if sink_tokens:
+                inside = inside | (kv_idx < sink_tokens)  # the sinks pass the left end, not the right one
+            keep = keep & inside
         if right is not None:
             keep = keep & (distance <= right)
         return keep
 
-    _made_by(sliding_window_mask_mod, "sliding_window", left=left, right=right, offset=offset)
+    _made_by(sliding_window_mask_mod, "sliding_window", left=left, right=right, offset=offset, sink_tokens=sink_tokens)
     return sliding_window_mask_mod
 
 

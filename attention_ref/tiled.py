@@ -67,6 +67,7 @@ from torch.autograd.function import once_differentiable
 
 from attention_ref import _inputs, mods
 from attention_ref._validation import check_positive_int, fmt_shape
+from attention_ref.sinks import add_sinks, check_sinks, heads_of
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "BlockMask", "create_block_mask", "tiled_attention"]
 
@@ -282,6 +283,7 @@ def tiled_attention(
     mask_mod: mods.MaskMod | None = None,
     block_mask: BlockMask | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention computed block by block with an online softmax; never forms ``(L, S)``.
 
@@ -326,6 +328,11 @@ def tiled_attention(
             which the online softmax keeps anyway (see
             `attention_ref.scaled_dot_product_attention`); gradients flow
             through it too.
+        sinks: ``(H,)`` learned sink logits, one per query head (see
+            `attention_ref.sinks`): added once, after the last key block, by
+            `attention_ref.add_sinks` (whose backward is the closed form, so
+            no ``(L, S)`` tensor is formed for it either); ``lse`` then
+            includes the sink.
 
     Returns:
         ``(..., L, Ev)`` in ``query``'s dtype, computed in at least float32;
@@ -355,9 +362,11 @@ def tiled_attention(
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be an attention_ref.tiled.BlockMask, got {type(block_mask).__name__}")
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    if sinks is not None:
+        sinks = check_sinks(sinks, heads_of(_batch_shape(query, key, value, enable_gqa)), query)
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                   block_q=block_q, block_k=block_k, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                  return_lse=return_lse)
+                  return_lse=return_lse, sinks=sinks)
 
 
 def _tiled(
@@ -375,8 +384,9 @@ def _tiled(
     mask_mod: mods.MaskMod | None = None,
     block_mask: BlockMask | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The tiled path on validated inputs (the dispatcher's entry point; mods checked to be callables)."""
+    """The tiled path on validated inputs (the dispatcher's entry point; mods and sinks checked)."""
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2:]
     H = query.shape[-3] if enable_gqa else 1
@@ -409,8 +419,11 @@ def _tiled(
     mods_ = (score_mod, mask_mod, kinds)
     # (N * Hkv, G, L, Ev) and (N * Hkv, G, L, 1), the log-sum-exp in natural-log units
     out, lse = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)
-    out = out.reshape(*batch, L, Ev).to(query.dtype)  # -> (..., L, Ev)
-    return (out, lse.reshape(*batch, L)) if return_lse else out  # lse (N * Hkv, G, L, 1) -> (..., L)
+    out, lse = out.reshape(*batch, L, Ev), lse.reshape(*batch, L)  # -> (..., L, Ev), (N * Hkv, G, L, 1) -> (..., L)
+    if sinks is not None:  # once, over all keys: sink-free blocks merged first, then the sink
+        out, lse = add_sinks(out, lse, sinks)
+    out = out.to(query.dtype)
+    return (out, lse) if return_lse else out
 
 
 def _batch_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> tuple[int, ...]:

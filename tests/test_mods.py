@@ -71,6 +71,87 @@ def test_sliding_window_by_loop(Lq, Sk, left, right, offset):
     assert torch.equal(mask, _dense(rule, 1, 1, Lq, Sk))
 
 
+# Windows shorter than the keys (left=2: 3 keys), L != S both ways; sinks none, one, several,
+# and more than there are keys.
+SINK_SIZES = [(5, 11), (11, 7), (7, 7)]
+SINKS = [0, 1, 4, 13]
+
+
+@pytest.mark.parametrize("Lq,Sk", SINK_SIZES)
+@pytest.mark.parametrize("left,right", [(0, 0), (2, 0), (2, 1), (None, 0), (1, None)])
+@pytest.mark.parametrize("offset", OFFSETS + ["S-L"])
+@pytest.mark.parametrize("sink_tokens", SINKS)
+def test_sliding_window_with_sink_tokens_by_loop(Lq, Sk, left, right, offset, sink_tokens):
+    off = Sk - Lq if offset == "S-L" else offset
+
+    def rule(b, h, i, j):
+        low = -math.inf if left is None else i + off - left
+        high = math.inf if right is None else i + off + right
+        return (low <= j or j < sink_tokens) and j <= high  # a sink passes the left end only
+
+    mask = mods.create_mask(mods.sliding_window(left, right, off, sink_tokens=sink_tokens), None, None, Lq, Sk)
+    assert torch.equal(mask, _dense(rule, 1, 1, Lq, Sk))
+    if sink_tokens == 0:  # the default is today's window, exactly
+        assert torch.equal(mask, mods.create_mask(mods.sliding_window(left, right, off), None, None, Lq, Sk))
+
+
+def _flash_attn_local_mask(seqlen_q, seqlen_k, window_size, sink_token_length):
+    """FlashAttention's ``construct_local_mask`` (hopper/test_util.py), no padding: True = masked OUT.
+
+    Transcribed from the reference, ``-1`` = unbounded side, always bottom-right (``sk - sq``).
+    """
+    row_idx = torch.arange(seqlen_q).reshape(-1, 1)
+    col_idx = torch.arange(seqlen_k)
+    sk, sq = seqlen_k, seqlen_q
+    if window_size[0] < 0:
+        return col_idx > row_idx + sk - sq + window_size[1]
+    sk = torch.full_like(col_idx, seqlen_k)
+    return torch.logical_or(
+        col_idx > torch.minimum(row_idx + sk - sq + window_size[1], sk),
+        torch.logical_and(col_idx < row_idx + sk - sq - window_size[0], col_idx >= sink_token_length),
+    )
+
+
+@pytest.mark.parametrize("Lq,Sk", SINK_SIZES)
+@pytest.mark.parametrize("left,right", [(0, 0), (2, 0), (2, 3), (-1, 0), (1, 100)])  # -1: unbounded; 100: past every key
+@pytest.mark.parametrize("sink_tokens", SINKS)
+def test_sink_tokens_are_flash_attentions_sink_token_length(Lq, Sk, left, right, sink_tokens):
+    # FA's window_size=(l, r) is sliding_window(l, r, offset=S - L); its sink_token_length is sink_tokens.
+    ours = mods.sliding_window(None if left < 0 else left, right, offset=Sk - Lq, sink_tokens=sink_tokens)
+    expected = ~_flash_attn_local_mask(Lq, Sk, (left, right), sink_token_length=sink_tokens)
+    assert torch.equal(mods.create_mask(ours, None, None, Lq, Sk)[0, 0], expected)
+
+
+def test_describe_records_sink_tokens():
+    assert mods.describe(mods.sliding_window(2, 1, 3, sink_tokens=4)) == (
+        "sliding_window", {"left": 2, "right": 1, "offset": 3, "sink_tokens": 4})
+    assert mods.describe(mods.sliding_window(2))[1]["sink_tokens"] == 0
+
+
+def _sink_reference(q, k, v, keep):
+    """softmax(q k^T / sqrt(E) + mask) v in float64, written out: GQA heads repeated, empty rows 0."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # (B, HKV, S, .) -> (B, H, S, .)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, L, E) x (B, H, E, S) -> (B, H, L, S)
+    weights = torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1)
+    weights = torch.where(keep.any(-1, keepdim=True), weights, 0.0)  # a row with no key: weights 0
+    return weights @ v  # (B, H, L, S) x (B, H, S, Ev) -> (B, H, L, Ev)
+
+
+@pytest.mark.parametrize("backend", ["math", "tiled", "sdpa"])
+@pytest.mark.parametrize("Lq,Sk,offset", [(5, 11, 6), (11, 7, -4), (7, 7, 0)])
+@pytest.mark.parametrize("sink_tokens", SINKS)
+def test_sink_tokens_through_each_backend_equal_the_reference(backend, Lq, Sk, offset, sink_tokens, generator):
+    q, k, v = _qkv(generator, Lq, Sk)
+    mask_mod = mods.sliding_window(2, 0, offset, sink_tokens=sink_tokens)
+    keep = _dense(lambda b, h, i, j: (i + offset - 2 <= j or j < sink_tokens) and j <= i + offset, 1, 1, Lq, Sk)
+    expected = _sink_reference(q, k, v, keep)
+    got = scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, enable_gqa=True, backend=backend)
+    torch.testing.assert_close(got, expected, **TOL)
+    if 0 < sink_tokens < Sk and Lq + offset > 4:  # the sinks change what the far queries see
+        assert not torch.allclose(got, scaled_dot_product_attention(
+            q, k, v, mask_mod=mods.sliding_window(2, 0, offset), enable_gqa=True, backend=backend))
+
+
 @pytest.mark.parametrize("Lq,Sk", SIZES)
 @pytest.mark.parametrize("size", [1, 2, 3, 11])
 @pytest.mark.parametrize("offset", OFFSETS)
@@ -240,6 +321,7 @@ MASK_MODS = {
     "sliding_window": lambda Lq, Sk: mods.sliding_window(1, offset=Sk - Lq),
     "sliding_window_two_sided": lambda Lq, Sk: mods.sliding_window(2, 1, offset=-1),
     "sliding_window_unbounded_left": lambda Lq, Sk: mods.sliding_window(None, 1),
+    "sliding_window_sinks": lambda Lq, Sk: mods.sliding_window(1, offset=Sk - Lq, sink_tokens=2),
     "chunked": lambda Lq, Sk: mods.chunked(3, offset=1),
     "prefix_lm": lambda Lq, Sk: mods.prefix_lm(2),
     "prefix_lm_per_batch": lambda Lq, Sk: mods.prefix_lm(torch.tensor([3, 0]), offset=-2),
@@ -428,6 +510,9 @@ def _small():
         (lambda: mods.sliding_window(-1), ValueError, _msg("left must be a non-negative int or None", "got -1")),
         (lambda: mods.sliding_window(2, -3), ValueError, _msg("right must be a non-negative int or None", "got -3")),
         (lambda: mods.sliding_window(2.5), TypeError, _msg("left must be a non-negative int or None", "got float")),
+        (lambda: mods.sliding_window(2, sink_tokens=-1), ValueError, _msg("sink_tokens must be a non-negative int", "got -1")),
+        (lambda: mods.sliding_window(2, sink_tokens=4.0), TypeError, _msg("sink_tokens must be a non-negative int", "got float")),
+        (lambda: mods.sliding_window(2, sink_tokens=True), TypeError, _msg("sink_tokens must be a non-negative int", "got bool")),
         (lambda: mods.chunked(0), ValueError, _msg("size must be a positive int", "got 0")),
         (lambda: mods.chunked(-4), ValueError, _msg("size must be a positive int", "got -4")),
         (lambda: mods.chunked(2.0), TypeError, _msg("size must be a positive int, got float")),
@@ -549,6 +634,9 @@ def test_the_triton_kernel_takes_the_mods_it_implements(given_mods, options):
         (dict(mask_mod=mods.and_masks(mods.causal(), mods.sliding_window(2))), "mask mods mods.causal"),
         (dict(mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), "mask mods mods.causal"),
         (dict(score_mod=mods.alibi(3)), "score mod mods.softcap"),
+        (dict(mask_mod=mods.sliding_window(2, sink_tokens=4)), "no sink tokens: it takes mods.sliding_window only "
+                                                                "with sink_tokens=0, got sink_tokens=4"),
+        (dict(mask_mod=mods.sliding_window(None, 1, sink_tokens=1)), "got sink_tokens=1"),
     ],
 )
 def test_the_triton_kernel_refuses_other_mods(given_mods, named):
@@ -557,6 +645,16 @@ def test_the_triton_kernel_refuses_other_mods(given_mods, named):
     q, k, v = _small()
     options, reason = backends._triton_options(backends.Call(q, k, v, None, **given_mods))
     assert reason is not None and named in reason and "use backend='math' or 'tiled'" in reason
+
+
+def test_the_triton_route_refuses_sink_tokens(monkeypatch):
+    from attention_ref import backends
+
+    monkeypatch.setattr(backends, "_triton_available", lambda device: True)  # past the device check, to the mods
+    q = torch.randn(1, 2, 7, 16)
+    with pytest.raises(ValueError, match=_msg("backend='triton' cannot run this call: the Triton kernel has no sink "
+                                              "tokens", "got sink_tokens=4")):
+        scaled_dot_product_attention(q, q, q, backend="triton", mask_mod=mods.sliding_window(2, sink_tokens=4))
 
 
 def test_multihead_forward_takes_the_mods():

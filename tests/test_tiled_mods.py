@@ -41,6 +41,8 @@ def _cases(device="cpu"):
     return {
         "window": dict(mask_mod=mods.sliding_window(5)),
         "window both sides, bottom-right": dict(mask_mod=mods.sliding_window(3, 2, offset=S - L)),
+        # the sinks sit in key block 0, which the window alone leaves empty for most query blocks
+        "window with sink tokens, bottom-right": dict(mask_mod=mods.sliding_window(3, offset=S - L, sink_tokens=4)),
         "causal mod and is_causal": dict(mask_mod=mods.causal(S - L), is_causal=True),
         "chunked": dict(mask_mod=mods.chunked(8)),
         "prefix_lm": dict(mask_mod=mods.prefix_lm(torch.tensor([3, 11], device=device))),
@@ -197,9 +199,10 @@ def _dense_kinds(keep, block_q, block_k):
     offset=st.integers(-6, 6),
     block_q=st.integers(1, 9),
     block_k=st.integers(1, 9),
+    sink_tokens=st.integers(0, 20),
 )
-def test_block_kinds_equal_the_dense_definition(left, right, offset, block_q, block_k):
-    mask_mod = mods.sliding_window(left, right, offset=offset)
+def test_block_kinds_equal_the_dense_definition(left, right, offset, block_q, block_k, sink_tokens):
+    mask_mod = mods.sliding_window(left, right, offset=offset, sink_tokens=sink_tokens)
     bm = create_block_mask(mask_mod, None, None, 13, 17, block_q=block_q, block_k=block_k)
     assert bm.kinds.tolist() == _dense_kinds(mods.create_mask(mask_mod, None, None, 13, 17), block_q, block_k)
 
@@ -243,6 +246,16 @@ def test_a_score_mod_with_a_learned_tensor_is_refused():
     # The math path differentiates it.
     scaled_dot_product_attention(q, k, v, score_mod=learned).sum().backward()
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+def test_sink_blocks_are_kept_and_the_rest_of_the_band_skipped():
+    # 32 x 32, blocks of 4, a window of 4 keys and 2 sinks: every query block computes key block 0
+    # (the sinks) besides its band, and nothing else; without the sinks block 0 is skipped from row 8 on.
+    with_sinks = create_block_mask(mods.sliding_window(3, sink_tokens=2), None, None, 32, 32, block_q=4, block_k=4)
+    plain = create_block_mask(mods.sliding_window(3), None, None, 32, 32, block_q=4, block_k=4)
+    kinds, plain_kinds = with_sinks.kinds.tolist(), plain.kinds.tolist()
+    assert all(row[0] != 0 for row in kinds) and [row[0] for row in plain_kinds[2:]] == [0] * 6
+    assert [row[1:] for row in kinds] == [row[1:] for row in plain_kinds]
 
 
 def test_repr_and_fraction():
