@@ -8,6 +8,13 @@
   tensors the way transformers calls them;
 - (c) the off-by-one each conversion prevents: the naive conversion (copy the
   number, or align top-left) gives a different mask, on exactly the pairs expected;
+- (d) the attention-sink and log-sum-exp conversions, in float64, against the
+  concatenated form written here (a sink column beside the scores, softmax, the
+  column dropped) and against each library's reference math transcribed here
+  (FlashAttention 4's ``attention_ref``, FlashInfer's base-2 ``AttentionSink``,
+  FlashMLA's ``tests/ref.py``, gpt-oss's ``sdpa`` by loops) or called from
+  transformers (gpt_oss and Granite-SWA ``eager_attention_forward``), with rows
+  that have no key in every case;
 - the errors, with their messages.
 """
 
@@ -15,18 +22,27 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from attention_ref import attention_weights, mods
+from attention_ref import attention_weights, mods, scaled_dot_product_attention
 from attention_ref.conventions import (
     from_attention_gym_sliding_window,
     from_flash_attn_alibi,
     from_flash_attn_causal,
+    from_flash_attn_lse,
     from_flash_attn_window,
+    from_flash_mla_lse,
+    from_flashinfer_lse,
     from_hf_alibi,
     from_hf_sliding_window,
+    gpt_oss_sink_attention,
+    granite_swa_sink_attention,
+    to_flash_attn_lse,
+    to_flash_mla_lse,
+    to_flashinfer_lse,
 )
 
 SIZES = [(5, 7), (7, 5), (11, 11), (3, 13)]  # (L, S): L < S, L > S, L == S
@@ -293,6 +309,325 @@ def test_flash_attn_alibi_without_the_offset_is_another_bias(L, S):
     assert not torch.allclose(right, _bias(mods.alibi(4, offset=S - L), 4, L, S))  # the paper's sign
 
 
+# --- (d) attention sinks and the log-sum-exp ----------------------------------------------------
+
+F64 = torch.float64
+INF = float("inf")
+B, H, L, S, E, EV = 2, 3, 5, 7, 11, 13
+SINKS = torch.tensor([0.5, -1.3, 4.0], dtype=F64)  # one logit per head; 4.0 outweighs most rows' keys
+NO_SINKS = torch.full((H,), -INF, dtype=F64)  # -inf: the head has no sink
+
+
+def _sink_case(seed: int = 0, kv_heads: int = H):
+    """float64 ``q, k, v`` ``(B, H|Hkv, ., .)`` and a bool mask ``(B, 1, L, S)`` with two rows of no key."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g, dtype=F64)
+    k = torch.randn(B, kv_heads, S, E, generator=g, dtype=F64)
+    v = torch.randn(B, kv_heads, S, EV, generator=g, dtype=F64)
+    keep = torch.rand(B, 1, L, S, generator=g) < 0.6
+    keep[..., 0] = True  # every row has a key ...
+    keep[0, 0, 2] = False  # ... but these two
+    keep[1, 0, 4] = False
+    return q, k, v, keep
+
+
+def _empty_rows(keep: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L)``: True on a row with no key."""
+    return (~keep.any(dim=-1)).expand(B, H, L)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L, S)``: scaled scores, ``-inf`` where ``keep`` is False."""
+    return (q @ k.transpose(-2, -1) / math.sqrt(E)).masked_fill(~keep, -INF)
+
+
+def _concat_oracle(scores: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: the sink as a column beside the scores; ``(weights, lse)`` over the ``S + 1`` columns."""
+    column = sinks.reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H, L, 1)
+    both = torch.cat([scores, column], dim=-1)  # (B, H, L, S + 1)
+    return both.softmax(dim=-1)[..., :-1], both.logsumexp(dim=-1)  # (B, H, L, S), (B, H, L)
+
+
+def _flash_attn4_lse(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """FlashAttention 4's ``attention_ref`` (``flash_attn/cute/testing.py``): without a sink
+    ``logsumexp(S)``; with ``learnable_sink`` ``m = max(sink, rowmax)``,
+    ``normalizer = sum exp(S - m) + exp(sink - m)``, ``lse = log(normalizer) + m``."""
+    if sinks is None:
+        return scores.logsumexp(dim=-1)
+    sink = sinks.reshape(-1, 1, 1)
+    m = torch.maximum(sink, scores.amax(dim=-1, keepdim=True))  # (B, H, L, 1)
+    normalizer = torch.exp(scores - m).sum(dim=-1, keepdim=True) + torch.exp(sink - m)
+    return (torch.log(normalizer) + m).squeeze(-1)
+
+
+def _flashinfer_lse(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's ``AttentionSink`` (``flashinfer/jit/attention/variants.py``), base 2: the keys'
+    running ``(m, d)`` over ``S * log2(e)``, then ``log_sink = sink * log2(e)`` folded in, with
+    CUDA's ``max`` (``fmax``) dropping the NaN of ``-inf - -inf``; ``lse = m + log2(d)``."""
+    log2e = 1.0 / math.log(2.0)
+    s2 = scores * log2e  # the kernel scales by sm_scale * log2e
+    m = s2.amax(dim=-1)  # (B, H, L); -inf on a row with no key
+    d = torch.exp2(s2 - torch.where(torch.isfinite(m), m, 0.0)[..., None]).sum(dim=-1)  # 0 on such a row
+    log_sink = (sinks * log2e)[:, None]  # (H, 1)
+    m_new = torch.where(log_sink > m, log_sink, m)
+    d_new = torch.exp2(torch.fmax(log_sink - m_new, torch.tensor(-INF))) + d * torch.exp2(
+        torch.fmax(m - m_new, torch.tensor(-INF))
+    )
+    return m_new + torch.log2(d_new)
+
+
+def _flash_mla(scores: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
+    """FlashMLA's ``tests/ref.py`` (sparse decoding): plain softmax, then the output times
+    ``1 / (1 + exp(sink - lse))``; a query with no key gets output 0 and ``lse = +inf``."""
+    lse = scores.logsumexp(dim=-1)  # (B, H, L), natural log, sink-free
+    out = torch.exp(scores - lse[..., None]) @ v  # NaN on a row with no key, zeroed below
+    if sinks is not None:
+        out = out * (1.0 / (1.0 + torch.exp(sinks[:, None] - lse)))[..., None]
+    lonely = lse == -INF
+    return out.masked_fill(lonely[..., None], 0.0), lse.masked_fill(lonely, INF)
+
+
+def test_the_oracle_is_attention_refs_sink_convention():
+    q, k, v, keep = _sink_case()
+    weights, lse = _concat_oracle(_scores(q, k, keep), SINKS)
+    out, ours = scaled_dot_product_attention(q, k, v, keep, sinks=SINKS, return_lse=True)
+    torch.testing.assert_close(out, weights @ v, **TOL)
+    torch.testing.assert_close(ours, lse, **TOL)
+    empty = _empty_rows(keep)
+    assert torch.equal(ours[empty], SINKS[:, None].expand(B, H, L)[empty])  # lse = the sink
+    assert not out[empty].any()  # output 0
+
+
+@pytest.mark.parametrize("sinks", [SINKS, None], ids=["learnable_sink", "no-sink"])
+def test_flash_attn4_lse_is_attention_refs(sinks):
+    q, k, _, keep = _sink_case()
+    scores = _scores(q, k, keep)
+    _, oracle = _concat_oracle(scores, NO_SINKS if sinks is None else sinks)
+    theirs = _flash_attn4_lse(scores, sinks)
+    torch.testing.assert_close(from_flash_attn_lse(theirs), oracle, **TOL)
+    torch.testing.assert_close(to_flash_attn_lse(oracle), theirs, **TOL)
+    assert from_flash_attn_lse(theirs) is theirs and to_flash_attn_lse(oracle) is oracle
+
+
+def test_flash_attn4_with_no_key_fills_the_sink_as_attention_ref_does():
+    # interface.py: seqlen_k == 0 gives out 0 and lse = learnable_sink[None, :, None]
+    q, k, v, _ = _sink_case()
+    out, lse = scaled_dot_product_attention(q, k[..., :0, :], v[..., :0, :], sinks=SINKS, return_lse=True)
+    theirs = SINKS[None, :, None].expand(B, H, L)
+    assert torch.equal(from_flash_attn_lse(theirs), lse)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("sinks", [SINKS, NO_SINKS], ids=["sinks", "minus-inf-sinks"])
+def test_flashinfer_lse_is_base_2_and_includes_the_sink(sinks):
+    q, k, _, keep = _sink_case()
+    scores = _scores(q, k, keep)
+    _, oracle = _concat_oracle(scores, sinks)
+    theirs = _flashinfer_lse(scores, sinks)
+    torch.testing.assert_close(from_flashinfer_lse(theirs), oracle, **TOL)
+    torch.testing.assert_close(to_flashinfer_lse(oracle), theirs, **TOL)
+    empty = _empty_rows(keep)
+    expected = (sinks / math.log(2.0))[:, None].expand(B, H, L)[empty]  # the sink, in base 2
+    torch.testing.assert_close(theirs[empty], expected, **TOL)
+    torch.testing.assert_close(from_flashinfer_lse(theirs)[empty], sinks[:, None].expand(B, H, L)[empty], **TOL)
+
+
+def test_flashinfer_lse_round_trips_in_float32():
+    lse = torch.randn(B, H, L) * 30
+    lse[0, 0, 0] = -INF
+    torch.testing.assert_close(from_flashinfer_lse(to_flashinfer_lse(lse)), lse, atol=0, rtol=3e-7)
+    assert from_flashinfer_lse(lse).dtype == torch.float32
+
+
+@pytest.mark.parametrize("with_sink", [True, False])
+def test_flash_mla_lse_leaves_the_sink_out(with_sink):
+    q, k, v, keep = _sink_case()
+    scores = _scores(q, k, keep)
+    sinks = SINKS if with_sink else None
+    weights, oracle = _concat_oracle(scores, SINKS if with_sink else NO_SINKS)
+    out, theirs = _flash_mla(scores, v, sinks)
+    empty = _empty_rows(keep)
+    assert torch.equal(torch.isinf(theirs), empty) and bool((theirs[empty] == INF).all())  # +inf, not -inf
+    # the outputs agree as they are (0 on a row with no key; the concatenated form's weights are
+    # NaN there without a sink, so compare the rows with keys and check the empty ones for 0)
+    torch.testing.assert_close(out[~empty], (weights @ v)[~empty], **TOL)
+    assert not out[empty].any()
+    torch.testing.assert_close(from_flash_mla_lse(theirs, sinks), oracle, **TOL)
+    back = to_flash_mla_lse(oracle, sinks)
+    assert torch.equal(torch.isinf(back), empty) and bool((back[empty] == INF).all())
+    torch.testing.assert_close(back[~empty], theirs[~empty], **TOL)
+
+
+def test_flash_mla_lse_round_trips_in_float32():
+    g = torch.Generator().manual_seed(3)
+    sinks = torch.randn(H, generator=g)
+    ours = torch.logaddexp(torch.randn(B, H, L, generator=g) * 3, sinks[:, None])  # sink-inclusive
+    ours[0, 1, 2] = sinks[1]  # a row with no key
+    back = from_flash_mla_lse(to_flash_mla_lse(ours, sinks), sinks)
+    torch.testing.assert_close(back, ours, atol=1e-5, rtol=1e-5)
+    assert back[0, 1, 2] == sinks[1]
+
+
+def test_reading_a_librarys_lse_as_attention_refs_is_wrong_by_what_the_conversion_adds():
+    q, k, v, keep = _sink_case()
+    scores = _scores(q, k, keep)
+    _, oracle = _concat_oracle(scores, SINKS)
+    empty = _empty_rows(keep)
+    # FlashInfer's base 2 read as natural log: off by the factor log2(e) on every finite row
+    torch.testing.assert_close(_flashinfer_lse(scores, SINKS), oracle / math.log(2.0), **TOL)
+    # FlashMLA's lse read as this package's: short by softplus(sink - lse) on rows with keys,
+    # +inf instead of the sink on rows without
+    _, mla = _flash_mla(scores, v, SINKS)
+    short = torch.nn.functional.softplus(SINKS[:, None] - mla)
+    torch.testing.assert_close((oracle - mla)[~empty], short[~empty], **TOL)
+    assert bool((short[~empty] > 1e-3).all())
+
+
+def test_to_flash_mla_lse_refuses_a_sink_free_lse():
+    q, k, v, keep = _sink_case()
+    _, mla = _flash_mla(_scores(q, k, keep), v, SINKS)  # sink-free: many rows below the sink 4.0
+    with pytest.raises(ValueError, match=_msg("lse must include attn_sink", "< attn_sink = 4.0", "from_flash_mla_lse")):
+        to_flash_mla_lse(mla, SINKS)
+
+
+def _gpt_oss_by_loops(Q, K, V, sinks, sm_scale: float, sliding_window: int) -> torch.Tensor:
+    """gpt-oss's ``sdpa`` rule in its own layout, by loops: ``Q`` ``(T, Hkv, q_mult, D)``, ``K`` and
+    ``V`` ``(T, Hkv, D)``, sinks ``(Hkv * q_mult,)`` for query head ``kv * q_mult + m``; causal, and
+    with ``sliding_window = W > 0`` key ``k`` dropped when ``k <= q - W``; the sink one more term of the
+    softmax, with no value. Returns ``(T, Hkv * q_mult * D)``."""
+    T, Hkv, q_mult, D = Q.shape
+    out = torch.zeros(T, Hkv, q_mult, D, dtype=Q.dtype)
+    for kv in range(Hkv):
+        for m in range(q_mult):
+            sink = float(sinks[kv * q_mult + m])
+            for t in range(T):
+                keys = [j for j in range(t + 1) if not (sliding_window > 0 and j <= t - sliding_window)]
+                logits = [float(Q[t, kv, m] @ K[j, kv]) * sm_scale for j in keys]
+                top = max([*logits, sink])
+                denominator = sum(math.exp(x - top) for x in logits) + math.exp(sink - top)
+                for j, x in zip(keys, logits):
+                    out[t, kv, m] += math.exp(x - top) / denominator * V[j, kv]
+    return out.reshape(T, -1)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 1, 3])
+def test_gpt_oss_sink_attention_equals_gpt_oss_sdpa_rule(sliding_window):
+    g = torch.Generator().manual_seed(1)
+    T, Hkv, q_mult, D = 11, 3, 2, 5
+    Q = torch.randn(T, Hkv, q_mult, D, generator=g, dtype=F64)
+    K, V = torch.randn(T, Hkv, D, generator=g, dtype=F64), torch.randn(T, Hkv, D, generator=g, dtype=F64)
+    sinks = torch.randn(Hkv * q_mult, generator=g, dtype=F64) * 2
+    theirs = _gpt_oss_by_loops(Q, K, V, sinks, D**-0.5, sliding_window)
+    # the mapping the docstring gives
+    query = Q.permute(1, 2, 0, 3).reshape(Hkv * q_mult, T, D)  # (H, T, D), head kv * q_mult + m
+    key, value = K.transpose(0, 1), V.transpose(0, 1)  # (Hkv, T, D)
+    mod = from_hf_sliding_window(sliding_window) if sliding_window else mods.causal()
+    keep = mods.create_mask(mod, None, None, T, T)[0, 0]
+    ours = gpt_oss_sink_attention(query, key, value, sinks, keep, enable_gqa=True)  # (H, T, D)
+    ours = ours.reshape(Hkv, q_mult, T, D).permute(2, 0, 1, 3).reshape(T, -1)
+    torch.testing.assert_close(ours, theirs, **TOL)
+
+
+@pytest.mark.parametrize("kv_heads", [H, 1])
+def test_gpt_oss_sink_attention_equals_attention_ref_and_the_oracle(kv_heads):
+    q, k, v, keep = _sink_case(kv_heads=kv_heads)
+    gqa = kv_heads != H
+    ours = gpt_oss_sink_attention(q, k, v, SINKS, keep, enable_gqa=gqa)
+    torch.testing.assert_close(ours, scaled_dot_product_attention(q, k, v, keep, sinks=SINKS, enable_gqa=gqa), **TOL)
+    k, v = k.expand(B, H, S, E), v.expand(B, H, S, EV)
+    weights, _ = _concat_oracle(_scores(q, k, keep), SINKS)
+    torch.testing.assert_close(ours, weights @ v, **TOL)
+    float_mask = torch.zeros(B, 1, L, S, dtype=F64).masked_fill(~keep, -INF)  # the same mask, added
+    torch.testing.assert_close(gpt_oss_sink_attention(q, k, v, SINKS, float_mask), ours, **TOL)
+    assert not ours[_empty_rows(keep)].any()
+
+
+def _hf_module(sinks: torch.Tensor, groups: int = 1) -> SimpleNamespace:
+    """What transformers' ``eager_attention_forward`` reads from its module."""
+    return SimpleNamespace(sinks=sinks, num_key_value_groups=groups, training=False)
+
+
+def test_gpt_oss_sink_attention_equals_transformers_gpt_oss_eager():
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    q, k, v, keep = _sink_case(kv_heads=1)
+    additive = torch.zeros(B, 1, L, S, dtype=F64).masked_fill(~keep, torch.finfo(F64).min)  # as transformers builds it
+    theirs, _ = gpt_oss.eager_attention_forward(_hf_module(SINKS, H), q, k, v, additive, E**-0.5)  # (B, L, H, Ev)
+    ours = gpt_oss_sink_attention(q, k, v, SINKS, keep, enable_gqa=True)
+    torch.testing.assert_close(ours, theirs.transpose(1, 2), **TOL)
+
+
+def test_the_concat_form_is_nan_only_on_a_row_with_no_key_and_no_sink():
+    q, k, v, keep = _sink_case()
+    sinks = SINKS.clone()
+    sinks[1] = -INF  # head 1 has no sink
+    ours = gpt_oss_sink_attention(q, k, v, sinks, keep)
+    nan_rows = _empty_rows(keep) & (torch.arange(H)[:, None] == 1)  # (B, H, L)
+    assert torch.equal(ours.isnan().any(dim=-1), nan_rows)
+    assert bool(ours[nan_rows].isnan().all())
+    reference = scaled_dot_product_attention(q, k, v, keep, sinks=sinks)
+    assert not reference.isnan().any() and not reference[nan_rows].any()  # this package: 0
+
+
+def test_granite_swa_form_equals_the_concat_form_on_rows_with_keys():
+    q, k, v, keep = _sink_case()
+    keep[..., 1] = True  # no row without a key
+    ours = granite_swa_sink_attention(q, k, v, SINKS, keep)
+    torch.testing.assert_close(ours, scaled_dot_product_attention(q, k, v, keep, sinks=SINKS), **TOL)
+    torch.testing.assert_close(ours, gpt_oss_sink_attention(q, k, v, SINKS, keep), **TOL)
+
+
+def test_granite_swa_form_is_nan_exactly_on_the_rows_with_no_key():
+    # why this package puts the sink in the softmax's denominator: softmax of a row of -inf is NaN,
+    # and NaN * sigmoid(-inf - s) = NaN * 0 = NaN
+    q, k, v, keep = _sink_case()
+    empty = _empty_rows(keep)
+    ours = granite_swa_sink_attention(q, k, v, SINKS, keep)
+    assert torch.equal(ours.isnan(), empty[..., None].expand(B, H, L, EV))
+    reference = scaled_dot_product_attention(q, k, v, keep, sinks=SINKS)
+    torch.testing.assert_close(ours[~empty], reference[~empty], **TOL)
+    assert not reference.isnan().any() and not reference[empty].any()
+
+
+def test_transformers_granite_swa_eager_is_nan_with_minus_inf_and_zero_with_finfo_min():
+    granite = pytest.importorskip("transformers.models.granite_swa.modeling_granite_swa")
+    q, k, v, keep = _sink_case()
+    empty = _empty_rows(keep)
+    module = _hf_module(SINKS)
+    minus_inf = torch.zeros(B, 1, L, S, dtype=F64).masked_fill(~keep, -INF)
+    theirs, _ = granite.eager_attention_forward(module, q, k, v, minus_inf, E**-0.5)
+    theirs = theirs.transpose(1, 2)  # (B, L, H, Ev) -> (B, H, L, Ev)
+    ours = granite_swa_sink_attention(q, k, v, SINKS, keep)
+    assert torch.equal(theirs.isnan(), ours.isnan())
+    fp32 = {"atol": 1e-6, "rtol": 1e-5}  # transformers forces the softmax and the sigmoid to float32
+    torch.testing.assert_close(theirs[~empty], ours[~empty], **fp32)
+    # transformers masks with finfo(dtype).min, not -inf: a finite row, weighted uniformly, times
+    # sigmoid(~finfo.min) = 0. In a float32 model that gives 0 ...
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    finfo_min = torch.zeros(B, 1, L, S).masked_fill(~keep, torch.finfo(torch.float32).min)
+    theirs, _ = granite.eager_attention_forward(_hf_module(SINKS.float()), q32, k32, v32, finfo_min, E**-0.5)
+    reference = scaled_dot_product_attention(q32, k32, v32, keep, sinks=SINKS.float())
+    torch.testing.assert_close(theirs.transpose(1, 2), reference, **fp32)
+    assert not theirs.transpose(1, 2)[empty].any()
+    # ... but with float64 inputs its forced float32 softmax turns finfo(float64).min into -inf: NaN again
+    finfo_min = torch.zeros(B, 1, L, S, dtype=F64).masked_fill(~keep, torch.finfo(F64).min)
+    theirs, _ = granite.eager_attention_forward(module, q, k, v, finfo_min, E**-0.5)
+    assert torch.equal(theirs.transpose(1, 2).isnan(), ours.isnan())
+
+
+def test_sigmoid_after_a_safe_sink_free_result_is_nan_only_for_a_minus_inf_sink():
+    # the flex pattern (vLLM): a sink-free result with output 0 and lse -inf on a row with no key,
+    # then out * sigmoid(lse - s): 0 there for a finite sink, NaN for -inf (-inf - -inf)
+    q, k, v, keep = _sink_case()
+    sinks = SINKS.clone()
+    sinks[1] = -INF
+    out, lse = scaled_dot_product_attention(q, k, v, keep, return_lse=True)
+    scaled = out * torch.sigmoid(lse - sinks[:, None])[..., None]
+    nan_rows = _empty_rows(keep) & (torch.arange(H)[:, None] == 1)
+    assert torch.equal(scaled.isnan().any(dim=-1), nan_rows)
+    torch.testing.assert_close(scaled[~nan_rows], scaled_dot_product_attention(q, k, v, keep, sinks=sinks)[~nan_rows],
+                               **TOL)
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 
@@ -323,5 +658,53 @@ def test_flash_attn_alibi_without_the_offset_is_another_bias(L, S):
     ],
 )
 def test_bad_input_names_the_argument_and_both_values(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+_LSE = torch.zeros(2, 3, 5)  # (B, H, L)
+_Q, _K, _V = torch.zeros(2, 3, 5, 11), torch.zeros(2, 3, 7, 11), torch.zeros(2, 3, 7, 13)
+_SINKS = torch.zeros(3)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: from_flash_attn_lse([0.5]), TypeError, _msg("lse must be a torch.Tensor, got list")),
+        (lambda: to_flash_attn_lse(torch.tensor([1, 2])), TypeError,
+         _msg("lse must have a floating-point dtype, got torch.int64")),
+        (lambda: from_flashinfer_lse(torch.tensor(1.0)), ValueError,
+         _msg("lse must have at least 1 dims (..., H, L), got 0 dims with shape ()")),
+        (lambda: to_flashinfer_lse(None), TypeError, _msg("lse must be a torch.Tensor, got NoneType")),
+        (lambda: from_flash_mla_lse(_LSE, torch.zeros(4)), ValueError,
+         _msg("attn_sink must have shape (H,) = (3,), one logit per head of lse (..., H, L) = (2, 3, 5), got (4,)")),
+        (lambda: to_flash_mla_lse(_LSE, torch.zeros(3, 1)), ValueError,
+         _msg("attn_sink must have shape (H,) = (3,)", "got (3, 1)")),
+        (lambda: from_flash_mla_lse(_LSE, [0.0, 0.0, 0.0]), TypeError,
+         _msg("attn_sink must be a torch.Tensor of shape (H,) = (3,), got list")),
+        (lambda: from_flash_mla_lse(_LSE, torch.zeros(3, dtype=torch.int32)), TypeError,
+         _msg("attn_sink must be floating point", "got torch.int32")),
+        (lambda: to_flash_mla_lse(_LSE, torch.tensor([0.0, INF, 0.0])), ValueError,
+         _msg("attn_sink must hold finite logits or -inf (no sink for that head), got [0.0, inf, 0.0]")),
+        (lambda: to_flash_mla_lse(_LSE, torch.tensor([0.0, 1.0, 0.0])), ValueError,
+         _msg("lse must include attn_sink (lse >= attn_sink[h] on every row, up to rounding), "
+              "got lse = 0.0 < attn_sink = 1.0 at index (0, 1, 0)")),
+        (lambda: gpt_oss_sink_attention(_Q, _K, _V, torch.zeros(4)), ValueError,
+         _msg("sinks must have shape (H,) = (3,)", "got (4,)")),
+        (lambda: gpt_oss_sink_attention(_Q, _K, _V, None), TypeError,
+         _msg("sinks must be a torch.Tensor of shape (H,) = (3,), got NoneType")),
+        (lambda: gpt_oss_sink_attention(_Q, _K, _V, _SINKS, torch.ones(5, 7, dtype=torch.int64)), TypeError,
+         _msg("attn_mask must be bool (True = takes part) or floating point", "got torch.int64")),
+        (lambda: gpt_oss_sink_attention(_Q, _K, _V, _SINKS, scale=0.0), ValueError,
+         _msg("scale must be a positive finite float or None, got 0.0")),
+        (lambda: granite_swa_sink_attention(_Q, _K[..., :4], _V, _SINKS), ValueError,
+         _msg("query and key must have the same last dim E")),
+        (lambda: granite_swa_sink_attention(_Q, _K, _V, torch.tensor([0.0, float("nan"), 0.0])), ValueError,
+         _msg("sinks must hold finite logits or -inf", "got [0.0, nan, 0.0]")),
+        (lambda: granite_swa_sink_attention(_Q, _K[:, :2], _V[:, :2], _SINKS, enable_gqa=True), ValueError,
+         _msg("enable_gqa=True needs the query heads (3) to be a multiple of the key heads, got key heads = 2")),
+    ],
+)
+def test_bad_sink_and_lse_input_names_the_argument_and_both_values(call, error, message):
     with pytest.raises(error, match=message):
         call()
