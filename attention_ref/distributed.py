@@ -67,6 +67,8 @@ import torch.multiprocessing as mp
 from attention_ref import _inputs
 from attention_ref._validation import fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
+from attention_ref.sinks import add_sinks, check_sinks, heads_of
+from attention_ref.tiled import _batch_shape
 
 __all__ = [
     "CommStats",
@@ -513,11 +515,11 @@ class _RingAttention(torch.autograd.Function):
         row_lse = torch.cat(lse, dim=-1)  # type: ignore[arg-type]  # (..., H, n)
         ctx.save_for_backward(query, key, value, output, row_lse)
         ctx.options = (is_causal, scale, enable_gqa, group, layout, rank, world)
-        return output.to(query.dtype)
+        return output, row_lse  # sink-free, in the compute dtype: ring_attention adds the sink and casts
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out):  # type: ignore[override]
+    def backward(ctx, d_out, d_lse):  # type: ignore[override]
         query, key, value, output, row_lse = ctx.saved_tensors
         is_causal, scale, enable_gqa, group, layout, rank, world = ctx.options
         compute = output.dtype
@@ -529,8 +531,9 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group, rank, world)
         q = query.to(compute)
         d_o = d_out.to(compute)  # (..., H, n, Ev)
-        # D_i = rowsum(dO * O) = sum_j P_ij dP_ij, the term the softmax backward subtracts: (..., H, n)
-        delta = (d_o * output).sum(dim=-1)
+        # D_i = rowsum(dO * O) = sum_j P_ij dP_ij, the term the softmax backward subtracts: (..., H, n);
+        # the lse's own cotangent enters as d lse_i / d S_ij = P_ij, so it is folded into D (with a minus).
+        delta = (d_o * output).sum(dim=-1) - d_lse.to(compute)
         # A row with no key has lse = -inf; +inf makes its recomputed weights exp(-inf - inf) = 0, not NaN.
         lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))
         dq = torch.zeros(query.shape, dtype=compute, device=query.device)
@@ -595,14 +598,15 @@ def ring_attention(
     enable_gqa: bool = False,
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Attention of this rank's query slice over the whole sequence, its keys and values spread over the ranks.
 
     Equal (up to rounding) to `attention_ref.functional.scaled_dot_product_attention`
     on the unsharded tensors, sharded back:
 
-        shard(scaled_dot_product_attention(Q, K, V, is_causal=..., scale=..., enable_gqa=...),
-              layout=layout) == ring_attention(shard(Q), shard(K), shard(V), ...)
+        shard(scaled_dot_product_attention(Q, K, V, is_causal=..., scale=..., enable_gqa=..., sinks=...),
+              layout=layout) == ring_attention(shard(Q), shard(K), shard(V), ..., sinks=...)
 
     At each of ``world`` steps this rank computes its queries against the
     key/value slice it holds, with ``scaled_dot_product_attention(...,
@@ -611,14 +615,20 @@ def ring_attention(
     causal mask built from the global positions), and merges the partial result
     into its running one with `attention_ref.functional.merge_attention`. While
     it computes, the slice is already on its way to rank ``r + 1`` and the next
-    one arriving from rank ``r - 1``.
+    one arriving from rank ``r - 1``. The partial results are sink-free; with
+    ``sinks``, each query's sink is added once, to the merged result over all
+    keys, by `attention_ref.add_sinks` (a sink in each partial result would be
+    counted once per step).
 
     The backward pass is FlashAttention-2's, block by block, with the saved
     log-sum-exp of the whole row: ``P = exp(S - lse)``, ``dV += P^T dO``,
-    ``dS = P * (dO V^T - D)`` with ``D = rowsum(dO * O)``, ``dQ += scale dS K``,
-    ``dK += scale dS^T Q``. The key/value slices travel the ring again; each
-    slice's dK/dV accumulator starts at the next rank, follows the slice and
-    reaches its owner in one more hop (`CommStats` gives the counts).
+    ``dS = P * (dO V^T - D)`` with ``D = rowsum(dO * O) - dlse``, ``dQ += scale dS K``,
+    ``dK += scale dS^T Q``; ``dO`` and ``dlse`` are the cotangents of the
+    sink-free result (``dlse = 0`` without sinks; with them both come from
+    `attention_ref.add_sinks`' closed-form backward). The key/value slices
+    travel the ring again; each slice's dK/dV accumulator starts at the next
+    rank, follows the slice and reaches its owner in one more hop (`CommStats`
+    gives the counts).
 
     Everything is computed in at least float32 (float32 for float16/bfloat16
     inputs); the output and the gradients are returned in the input dtype.
@@ -635,6 +645,16 @@ def ring_attention(
         enable_gqa: grouped-query attention (``H`` a multiple of ``Hkv``).
         group: the process group of the ring (``None``: the default group).
         layout: how the sequence was split (`shard`): ``"zigzag"`` or ``"contiguous"``.
+        sinks: ``(H,)``, one learned logit per query head (`attention_ref.sinks`),
+            the same on every rank: a replicated parameter, like the model's
+            weights under context parallelism. Its gradient here is **this
+            rank's share**, the sum over this rank's queries only, with no
+            communication (as `shard` gives a replicated tensor the gradient of
+            this rank's slice): the sum of the ranks' ``sinks.grad`` is the
+            gradient of the sum of their losses. The all-reduce that sums it is
+            the one data/context-parallel training already runs over the
+            replicated parameters' gradients (DDP, FSDP); summing here as well
+            would count it ``world`` times.
 
     Returns:
         ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
@@ -643,8 +663,9 @@ def ring_attention(
         RuntimeError: no process group is initialised, or this process is not in ``group``.
         ValueError: shapes that do not fit, query and key slices of different
             lengths, an odd local length with ``"zigzag"`` (the full length must be a
-            multiple of ``2 * world``), a bad scale or layout.
-        TypeError: non-float inputs or inputs of different dtypes.
+            multiple of ``2 * world``), a bad scale or layout; ``sinks`` not of
+            shape ``(H,)``, on another device, NaN or ``+inf``.
+        TypeError: non-float inputs or inputs of different dtypes, ``sinks`` not a float tensor.
 
     Examples:
         >>> import os, tempfile, torch, torch.distributed as dist
@@ -672,7 +693,13 @@ def ring_attention(
             f"{2 * world} (an even local length, two chunks per rank), got local length {n} "
             f"(full length {n * world})"
         )
-    return _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world)
+    if sinks is not None:
+        check_sinks(sinks, heads_of(_batch_shape(query, key, value, enable_gqa)), query)
+    # (..., H, n, Ev) and (..., H, n): the sink-free result over every key of the ring, compute dtype
+    output, lse = _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world)
+    if sinks is not None:
+        output, _ = add_sinks(output, lse, sinks)  # once per query, after the last merge
+    return output.to(query.dtype)
 
 
 # --- local processes --------------------------------------------------------------------------

@@ -49,6 +49,7 @@ import torch
 from attention_ref import mods
 from attention_ref._validation import check_positive_int, fmt_shape, require_tensor
 from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.sinks import check_sinks
 
 __all__ = ["KVCache", "PagedKVCache", "attention_with_kv_cache"]
 
@@ -144,6 +145,7 @@ def attention_with_kv_cache(
     scale: float | None = None,
     return_weights: bool = False,
     backend: str = "math",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention of ``Lq`` new queries per sequence against a key/value cache.
 
@@ -155,7 +157,7 @@ def attention_with_kv_cache(
 
     ```python
     causal = mods.causal(offset=n - Lq) if is_causal else None
-    scaled_dot_product_attention(query[b], K, V, enable_gqa=True, mask_mod=causal)
+    scaled_dot_product_attention(query[b], K, V, enable_gqa=True, mask_mod=causal, sinks=sinks)
     ```
 
     How it runs: the valid keys and values are gathered into ``(B, Hkv, S, E)``
@@ -195,21 +197,29 @@ def attention_with_kv_cache(
             sequence's length and above its causal diagonal and never holds more
             than a block of scores (see
             `attention_ref.functional.scaled_dot_product_attention`).
+        sinks: ``(H,)``, one learned logit per *query* head (not per key/value
+            head), added as ``exp(sinks[h])`` to every query's softmax
+            denominator, never scaled (`attention_ref.sinks`). The whole
+            row is one call of the core, so the sink enters each row once,
+            whatever the cache's length or layout. ``"math"``, ``"tiled"``
+            and ``"auto"`` take it; ``"sdpa"`` and ``"triton"`` raise.
 
     Returns:
-        ``(B, H, Lq, Ev)`` in ``query``'s dtype, or ``(output, weights)``.
+        ``(B, H, Lq, Ev)`` in ``query``'s dtype, or ``(output, weights)``
+        (with ``sinks``, each row of weights sums to less than 1).
 
     Raises:
         TypeError: non-tensor or non-float ``query``/caches, caches of another
             dtype than ``query``; ``cache_seqlens`` or ``block_table`` not an
-            integer tensor.
+            integer tensor; ``sinks`` not a float tensor.
         ValueError: a wrong number of dims or mismatching sizes (batch, heads,
             ``E``, key and value caches), ``H`` not a multiple of ``Hkv``, a
             tensor on another device than ``query``; ``cache_seqlens`` negative,
             longer than the cache (or than ``block_table`` can hold), or shorter
             than ``Lq`` without ``is_causal``; a ``block_table`` index outside
-            ``[0, num_blocks)``; an unknown ``backend``, or one that cannot run
-            the call (the message names it).
+            ``[0, num_blocks)``; ``sinks`` not of shape ``(H,)``, on another
+            device, NaN or ``+inf``; an unknown ``backend``, or one that cannot
+            run the call (the message names it).
 
     Examples:
         >>> import torch
@@ -250,6 +260,8 @@ def attention_with_kv_cache(
             f"the query heads H = {H} must be a multiple of the key/value heads Hkv (key_cache dim 1), "
             f"got Hkv = {Hkv}"
         )
+    if sinks is not None:
+        check_sinks(sinks, H, query)  # one per query head (dim 1), not per key/value head
     if paged:
         num_blocks, _, block_size, _ = key_cache.shape
         block_table = _int_tensor("block_table", block_table, "(B, max_blocks)", None, 2, query.device)
@@ -316,7 +328,7 @@ def attention_with_kv_cache(
         values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
     mask_mod = _cache_mask(cache_seqlens, Lq, is_causal)
     return scaled_dot_product_attention(query, keys, values, enable_gqa=True, scale=scale, mask_mod=mask_mod,
-                                        return_weights=return_weights, backend=backend)
+                                        return_weights=return_weights, backend=backend, sinks=sinks)
 
 
 # --- a contiguous cache ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from attention_ref._inputs import check_bool
 from attention_ref._validation import check_positive_int, check_probability, fmt_shape
 from attention_ref.backends import check_backend
 from attention_ref.functional import scaled_dot_product_attention
@@ -46,14 +47,24 @@ class MultiHeadAttention(nn.Module):
             ``"tiled"``, ``"sdpa"``, ``"triton"`` or ``"auto"``; see
             `attention_ref.backends`). Only ``"math"`` (or ``"auto"``, which
             then picks it) can return weights.
+        sinks: give each query head a learned sink logit (gpt-oss,
+            Granite-SWA; `attention_ref.sinks`): the parameter ``sinks`` of
+            shape ``(num_heads,)``, initialised to zeros as Granite-SWA does
+            (a sink of 0 adds ``exp(0) = 1`` to every row's denominator, so it
+            already takes mass at initialisation; ``-inf`` would be no sink).
+            Needs ``backend`` ``"math"``, ``"tiled"`` or ``"auto"``.
 
     Attributes:
         q_proj, k_proj, v_proj, out_proj: the ``nn.Linear`` projections.
+        sinks: the ``(num_heads,)`` ``nn.Parameter`` of sink logits, or
+            ``None`` without ``sinks=True`` (then not in the ``state_dict``).
 
     Raises:
         ValueError: ``embed_dim`` not divisible by ``num_heads``, ``num_heads``
             not divisible by ``num_kv_heads``, dropout outside ``[0, 1)``, an
-            unknown ``backend``.
+            unknown ``backend``, or ``sinks=True`` with a backend that takes no
+            sinks (the message names it).
+        TypeError: ``sinks`` not a bool.
 
     Examples:
         >>> import torch
@@ -78,6 +89,7 @@ class MultiHeadAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         backend: str = "math",
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
@@ -97,6 +109,12 @@ class MultiHeadAttention(nn.Module):
         vdim = embed_dim if vdim is None else check_positive_int("vdim", vdim)
         check_probability("dropout", dropout)
         self.backend = check_backend(backend)
+        check_bool("sinks", sinks)
+        if sinks and backend not in ("math", "tiled", "auto"):
+            raise ValueError(
+                f"sinks=True needs backend 'math', 'tiled' or 'auto', got backend={backend!r}, "
+                "which takes no learned sinks"
+            )
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.kdim, self.vdim, self.dropout = kdim, vdim, float(dropout)
         self.head_dim = embed_dim // num_heads
@@ -106,11 +124,15 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(kdim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        # One logit per query head; None (and no state_dict entry) without sinks, as nn.Linear's bias.
+        self.sinks: nn.Parameter | None
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None)
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"kdim={self.kdim}, vdim={self.vdim}, dropout={self.dropout}, backend={self.backend!r}"
+            f"kdim={self.kdim}, vdim={self.vdim}, dropout={self.dropout}, backend={self.backend!r}, "
+            f"sinks={self.sinks is not None}"
         )
 
     def _check_input(self, name: str, x: object, width: int) -> torch.Tensor:
@@ -165,7 +187,8 @@ class MultiHeadAttention(nn.Module):
 
         Returns:
             ``(B, L, embed_dim)``, or ``(output, weights)`` with weights
-            ``(B, L, S)`` (averaged) or ``(B, H, L, S)`` (per head).
+            ``(B, L, S)`` (averaged) or ``(B, H, L, S)`` (per head). With
+            ``sinks`` each head's rows of weights sum to less than 1.
         """
         if not isinstance(average_weights, bool):
             raise TypeError(f"average_weights must be a bool, got {type(average_weights).__name__}")
@@ -195,6 +218,7 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             score_mod=score_mod,
             mask_mod=mask_mod,
+            sinks=self.sinks,
         )  # (B, H, L, D), with return_weights also (B, H, L, S)
         out, weights = result if return_weights else (result, None)
         out = out.transpose(1, 2).reshape(B, L, self.embed_dim)  # (B, H, L, D) -> (B, L, H * D)

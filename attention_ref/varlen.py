@@ -54,6 +54,7 @@ from attention_ref._validation import (
     require_tensor,
 )
 from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.sinks import check_sinks
 
 __all__ = ["cu_seqlens_from_lengths", "pack", "unpack", "varlen_attention", "varlen_mask_mod"]
 
@@ -357,7 +358,9 @@ def varlen_attention(
     is_causal: bool = False,
     scale: float | None = None,
     backend: str = "math",
-) -> torch.Tensor:
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention over packed sequences: each sequence attends to its own keys only.
 
     Equivalent to running every sequence alone, for ``s`` in ``range(n)``:
@@ -367,11 +370,12 @@ def varlen_attention(
     k_s = key[:, cu_seqlens_k[s]:cu_seqlens_k[s + 1]]         # (Hkv, Lk_s, E)
     v_s = value[:, cu_seqlens_k[s]:cu_seqlens_k[s + 1]]       # (Hkv, Lk_s, Ev)
     causal = mods.causal(offset=Lk_s - Lq_s) if is_causal else None
-    out_s = scaled_dot_product_attention(q_s, k_s, v_s, scale=scale,
+    out_s = scaled_dot_product_attention(q_s, k_s, v_s, scale=scale, sinks=sinks,
                                          enable_gqa=True, mask_mod=causal)
     ```
 
-    and concatenating the ``out_s`` along dim 1, the semantics of FlashAttention's
+    and concatenating the ``out_s`` along dim 1 (and their ``lse`` with
+    ``return_lse``), the semantics of FlashAttention's
     ``flash_attn_varlen_func`` (with heads first). It is computed as *one* call
     of the core over the packed tensors, with the mask mod of `varlen_mask_mod`:
     packed key ``k`` takes part for packed query ``q`` of sequence ``s`` when
@@ -408,21 +412,32 @@ def varlen_attention(
         backend: the core's backend (``"math"``, ``"tiled"``, ``"sdpa"`` with the
             mask materialised, ``"auto"``); see
             `attention_ref.functional.scaled_dot_product_attention`.
+        sinks: ``(H,)``, one learned logit per query head, the same for every
+            sequence: ``exp(sinks[h])`` joins the softmax denominator of every
+            query row, never scaled (`attention_ref.sinks`). ``"math"``,
+            ``"tiled"`` and ``"auto"`` take it; ``"sdpa"`` and ``"triton"`` raise.
+        return_lse: also return ``lse`` ``(H, total_q)``, the natural log of
+            each query row's softmax denominator over its own sequence's keys
+            (sink included), in the compute dtype (``"math"``, ``"tiled"``,
+            ``"auto"`` only).
 
     Returns:
-        ``(H, total_q, Ev)`` in ``query``'s dtype. A query with no key (a
-        sequence with 0 keys, or with causal and ``Lq_s > Lk_s`` the first
-        ``Lq_s - Lk_s`` queries) gives a row of zeros, not NaN. Differentiable
-        in ``query``, ``key`` and ``value``.
+        ``(H, total_q, Ev)`` in ``query``'s dtype, or ``(output, lse)`` with
+        ``return_lse``. A query with no key (a sequence with 0 keys, or with
+        causal and ``Lq_s > Lk_s`` the first ``Lq_s - Lk_s`` queries) gives a
+        row of zeros, not NaN, and ``lse = -inf``, or ``lse = sinks[h]`` with
+        sinks. Differentiable in ``query``, ``key``, ``value`` and ``sinks``.
 
     Raises:
         TypeError: non-float or different dtypes of ``query``, ``key``,
-            ``value``; non-integer ``cu_seqlens``; ``is_causal`` not a bool.
+            ``value``; non-integer ``cu_seqlens``; ``is_causal`` or
+            ``return_lse`` not a bool; ``sinks`` not a float tensor.
         ValueError: a tensor not 3-D, ``E`` or ``total_k`` that do not match,
             ``key`` and ``value`` with different heads, ``H`` not a multiple of
             ``Hkv``; ``cu_seqlens`` not 1-D, not starting at 0, decreasing, not
             ending at ``total_q`` / ``total_k``, on another device, or the two
-            with different numbers of sequences; a bad ``scale``; an unknown
+            with different numbers of sequences; a bad ``scale``; ``sinks`` not
+            of shape ``(H,)``, on another device, NaN or ``+inf``; an unknown
             ``backend``, or one that cannot run the call (the message names it).
 
     Examples:
@@ -439,6 +454,7 @@ def varlen_attention(
     value = _check_packed("value", value, "(Hkv, total_k, Ev)")
     require_same_dtype_and_device(query=query, key=key, value=value)
     check_bool("is_causal", is_causal)
+    check_bool("return_lse", return_lse)
     H, total_q, E = query.shape
     Hkv, total_k = key.shape[0], key.shape[1]
     if key.shape[2] != E:
@@ -456,10 +472,13 @@ def varlen_attention(
             f"the query heads H = {H} (query dim 0) must be a multiple of the key/value heads "
             f"Hkv = {Hkv} (key dim 0)"
         )
+    if sinks is not None:
+        check_sinks(sinks, H, query)  # one per query head (dim 0), shared by every sequence
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (query.shape[1])", query.device)
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (key.shape[1])", query.device)
     _check_same_count(cu_q, cu_k)
     keep = _mask_mod(cu_q, cu_k, is_causal)
-    # (H, total_q, E) x (Hkv, total_k, E) -> scores (H, total_q, total_k), masked -> (H, total_q, Ev)
+    # (H, total_q, E) x (Hkv, total_k, E) -> scores (H, total_q, total_k), masked -> (H, total_q, Ev);
+    # a row's sink joins its denominator once, whatever its sequence, as when each runs alone.
     return scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True, mask_mod=keep,
-                                        backend=backend)
+                                        backend=backend, sinks=sinks, return_lse=return_lse)

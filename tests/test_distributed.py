@@ -8,6 +8,8 @@ on them in the parent. Errors are measured in float64 against
 `attention_ref.scaled_dot_product_attention` on the unsharded tensors, with the incoming
 gradient sharded the same way. Sizes: N = 24 positions at every world size (so the float32
 errors of different world sizes are errors on the same problem), E = 5, Ev = 7, 6 query heads.
+With learned sinks (``sinks=``, a replicated ``(H,)`` parameter) the reference is the dense math
+path with the same sinks, and the ranks' ``sinks.grad`` (each its local share) sum to its gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ GROUP_RANKS = {1: [3], 2: [1, 3], 3: [0, 2, 3]}  # global ranks of each group; 4
 B, H, E, EV, N = 2, 6, 5, 7, 24  # N: divisible by 2 * world for every world
 LAYOUTS = ("zigzag", "contiguous")
 CASES = [(layout, causal, gqa) for layout in LAYOUTS for causal in (True, False) for gqa in (False, True)]
+SINK_CASES = [("zigzag", True, True), ("contiguous", False, False)]  # the per-block and the one-call paths
 
 
 def _case_id(case):
@@ -69,6 +72,32 @@ def _ring_case(group, world, layout, causal, gqa, dtype=torch.float64, seed=0):
         "stats": stats,
         "numel_kv": local[1].numel() + local[2].numel(),
         "dtype": out.dtype,
+    }
+
+
+def _sinks_case(group, world, layout, causal, gqa, seed=2):
+    """Ring attention with sinks on this rank against the dense math path with sinks, in float64.
+
+    The sinks are a replicated parameter: every rank holds the same values in its own leaf; its
+    ``.grad`` after the backward is returned as it is, with no all-reduce (this rank's share).
+    """
+    q, k, v, d_out = _inputs(world, gqa, seed)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+    local = [shard(t, group=group, layout=layout).requires_grad_() for t in (q, k, v)]
+    mine = sinks.clone().requires_grad_()
+    out = ring_attention(*local, is_causal=causal, enable_gqa=gqa, group=group, layout=layout, sinks=mine)
+    out.backward(shard(d_out, group=group, layout=layout))
+    gathered = [unshard(t.detach(), group=group, layout=layout) for t in (out, *(x.grad for x in local))]
+    full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    expected = scaled_dot_product_attention(*full[:3], is_causal=causal, enable_gqa=gqa, sinks=full[3],
+                                            backend="math")
+    expected_grads = torch.autograd.grad(expected, full, d_out)
+    sink_free = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return {
+        "errors": [(a - b).abs().max().item() for a, b in zip(gathered, (expected.detach(), *expected_grads[:3]))],
+        "sinks_grad": mine.grad,
+        "expected_sinks_grad": expected_grads[3],
+        "sinks_effect": (expected - sink_free).abs().max().item(),
     }
 
 
@@ -113,6 +142,9 @@ def _errors_case(group, world):
             lambda: shard(torch.randn(world + 1, 4), group=group, layout="contiguous") if world > 1 else None),
         "lengths differ": _error_message(lambda: ring_attention(
             torch.randn(1, 2, 4, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), group=group)),
+        "sinks per kv head": _error_message(lambda: ring_attention(
+            torch.randn(1, 4, 4, 4), torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), enable_gqa=True,
+            group=group, sinks=torch.zeros(2))),
     }
     return messages
 
@@ -132,6 +164,8 @@ def _cases_worker(rank, world_size):
             mine[case] = _ring_case(group, world, *case)
         mine["float32"] = _ring_case(group, world, "zigzag", True, True, torch.float32, seed=1)
         mine["bfloat16"] = _ring_case(group, world, "zigzag", True, True, torch.bfloat16, seed=1)
+        for case in SINK_CASES:
+            mine[("sinks", *case)] = _sinks_case(group, world, *case)
         mine["layouts"] = _layouts_case(group, world, group_rank)
         mine["messages"] = _errors_case(group, world)
         results[world] = mine
@@ -250,6 +284,24 @@ def test_lengths_that_do_not_divide_name_the_multiple(runs, world):
     assert re.search(rf"multiple of world = {world}, got {world + 1}", messages["shard contiguous"])
     assert re.search(r"same local length.*query \(1, 2, 4, 4\) has 4, key \(1, 2, 6, 4\) has 6",
                      messages["lengths differ"])
+    assert re.search(r"sinks must have shape \(H,\) = \(4,\), one logit per query head.*got \(2,\)",
+                     messages["sinks per kv head"])
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=_case_id)
+@pytest.mark.parametrize("world", WORLDS)
+def test_sinks_are_added_once_and_their_gradient_is_each_ranks_share(runs, world, case):
+    """Outputs and dq, dk, dv equal the dense path with sinks; the ranks' sinks.grad sum to its dsinks."""
+    results = runs[world]
+    for rank, mine in results.items():
+        errors = mine[("sinks", *case)]["errors"]
+        assert max(errors) < 1e-10, f"rank {rank}: errors of out, dq, dk, dv {errors}"
+        assert mine[("sinks", *case)]["sinks_effect"] > 1e-2  # the sinks matter: the check is not vacuous
+    shares = [results[rank][("sinks", *case)]["sinks_grad"] for rank in range(world)]
+    expected = results[0][("sinks", *case)]["expected_sinks_grad"]
+    torch.testing.assert_close(sum(shares), expected, atol=1e-10, rtol=1e-10)  # summed once: by the caller
+    if world > 1:  # a share, not the total: no rank all-reduced it
+        assert all((share - expected).abs().max() > 1e-3 for share in shares)
 
 
 # --- without processes ---------------------------------------------------------------------------

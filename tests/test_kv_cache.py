@@ -504,3 +504,127 @@ def test_the_good_inputs_of_the_error_table_run():
     # cache_seqlens shorter than Lq is refused with or without is_causal
     with pytest.raises(ValueError, match="cache_seqlens must be at least the number of new queries Lq = 3"):
         attention_with_kv_cache(**_with(cache_seqlens=torch.tensor([5, 2])), is_causal=True)
+
+
+# --- learned sinks ---------------------------------------------------------------------------------
+# One logit per query head in every row's softmax denominator (attention_ref.sinks). The reference
+# is the dense math path with sinks=, sequence by sequence; outputs and the gradients of the query,
+# the caches (contiguous or a scattered pool) and the sinks must match it.
+
+
+def _sinks(gen, heads=H):
+    return (_randn(heads, gen=gen) * 2).requires_grad_()
+
+
+def _dense_with_sinks(q, K, V, sinks, causal, mask_mod=None):
+    """The core's math path on one sequence's valid keys: the reference of every sinks test here."""
+    Lq, n = q.shape[-2], K.shape[-2]
+    if mask_mod is None and causal:
+        mask_mod = mods.causal(offset=n - Lq)
+    return scaled_dot_product_attention(q, K, V, enable_gqa=True, mask_mod=mask_mod, sinks=sinks, backend="math")
+
+
+def _loss(out):
+    return (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sin().sum()
+
+
+@pytest.mark.parametrize("backend", ["math", "tiled"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_sinks_equal_the_dense_path_with_gradients(paged, backend):
+    """Two sequences of 11 and 7 keys, Lq = 3 (L != S), causal, H = 6 over Hkv = 2; a pool of blocks of 3."""
+    gen = torch.Generator().manual_seed(21)
+    lengths, Lq, hkv, S_max, bs = [11, 7], 3, 2, 13, 3
+    q = _randn(2, H, Lq, E, gen=gen).requires_grad_()
+    k_dense, v_dense = _randn(2, hkv, S_max, E, gen=gen), _randn(2, hkv, S_max, EV, gen=gen)
+    sinks = _sinks(gen)
+    if paged:  # each sequence's blocks scattered, out of order, in a pool of 12
+        table = torch.tensor([[7, 2, 10, 0, 5], [3, 11, 1, 8, 6]])
+        k_pool, v_pool = _randn(12, hkv, bs, E, gen=gen), _randn(12, hkv, bs, EV, gen=gen)
+        for b in range(2):
+            for p in range(S_max):
+                k_pool[table[b, p // bs], :, p % bs] = k_dense[b, :, p]
+                v_pool[table[b, p // bs], :, p % bs] = v_dense[b, :, p]
+        caches, extra = (k_pool.requires_grad_(), v_pool.requires_grad_()), {"block_table": table}
+    else:
+        caches, extra = (k_dense.requires_grad_(), v_dense.requires_grad_()), {}
+    out = attention_with_kv_cache(q, *caches, torch.tensor(lengths), is_causal=True, sinks=sinks,
+                                  backend=backend, **extra)
+    # the reference: each sequence alone, on leaves of its own valid keys and values
+    qd = q.detach().requires_grad_()
+    kd = [k_dense[b, :, :n].detach().clone().requires_grad_() for b, n in enumerate(lengths)]
+    vd = [v_dense[b, :, :n].detach().clone().requires_grad_() for b, n in enumerate(lengths)]
+    sd = sinks.detach().requires_grad_()
+    ref = torch.cat([_dense_with_sinks(qd[b:b + 1], kd[b][None], vd[b][None], sd, True) for b in range(2)])
+    torch.testing.assert_close(out, ref, **TOL)
+    grads = torch.autograd.grad(_loss(out), (q, *caches, sinks))
+    ref_grads = torch.autograd.grad(_loss(ref), (qd, *kd, *vd, sd))
+    torch.testing.assert_close(grads[0], ref_grads[0], **TOL)  # dq
+    torch.testing.assert_close(grads[3], ref_grads[5], **TOL)  # dsinks
+    for c, (cache_grad, ref_per_seq) in enumerate(zip(grads[1:3], (ref_grads[1:3], ref_grads[3:5]))):
+        for b, n in enumerate(lengths):
+            if paged:  # position p of sequence b is slot p % bs of block table[b, p // bs]
+                got = torch.stack([cache_grad[table[b, p // bs], :, p % bs] for p in range(n)], dim=1)
+            else:
+                got = cache_grad[b, :, :n]
+            torch.testing.assert_close(got, ref_per_seq[b], **TOL,
+                                       msg=lambda m, c=c, b=b: f"cache {c}, sequence {b}: {m}")
+    assert (grads[3] != 0).all(), "every head's sink takes part"
+
+
+def test_sinks_in_chunked_prefill_and_decode_steps_equal_one_dense_pass():
+    """A prompt of 5 prefilled in chunks of 3 and 2, then 7 single-token steps: every step's rows are those
+    of one dense causal pass with sinks (each call adds the sink once to each of its rows)."""
+    gen = torch.Generator().manual_seed(22)
+    hkv, prompt, N = 3, 5, 12
+    q, k, v = _randn(B, H, N, E, gen=gen), _randn(B, hkv, N, E, gen=gen), _randn(B, hkv, N, EV, gen=gen)
+    sinks = _sinks(gen).detach()
+    expected = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks)
+    cache = KVCache(B, hkv, max_length=N, head_dim=E, value_dim=EV, dtype=F64)
+    for lo, hi in [(0, 3), (3, prompt), *((t, t + 1) for t in range(prompt, N))]:
+        cache.append(k[:, :, lo:hi], v[:, :, lo:hi])
+        out = attention_with_kv_cache(q[:, :, lo:hi], cache.key_cache, cache.value_cache, cache.lengths,
+                                      is_causal=True, sinks=sinks)
+        torch.testing.assert_close(out, expected[:, :, lo:hi], **TOL,
+                                   msg=lambda m, lo=lo, hi=hi: f"rows {lo}:{hi}: {m}")
+
+
+def test_sinks_with_a_sliding_window_cache_shorter_than_the_sequence():
+    """gpt-oss's sliding layers: a decoder keeps only the last W = 4 keys of 13 (a ring buffer) and still
+    adds the sink to every row. Each step's cache is the window; the reference is the dense math path over
+    the whole sequence with the window as a mask mod (key j for query i when i - 3 <= j <= i)."""
+    gen = torch.Generator().manual_seed(23)
+    hkv, W, N = 2, 4, 13
+    q = _randn(1, H, N, E, gen=gen).requires_grad_()
+    k, v = _randn(1, hkv, N, E, gen=gen).requires_grad_(), _randn(1, hkv, N, EV, gen=gen).requires_grad_()
+    sinks = _sinks(gen)
+    expected = _dense_with_sinks(q, k, v, sinks, True, mods.sliding_window(W - 1))
+    steps = []
+    for t in range(N):
+        lo = max(0, t + 1 - W)  # the window of position t: keys lo .. t
+        steps.append(attention_with_kv_cache(q[:, :, t:t + 1], k[:, :, lo:t + 1], v[:, :, lo:t + 1],
+                                             torch.tensor([t + 1 - lo]), is_causal=True, sinks=sinks))
+    out = torch.cat(steps, dim=2)
+    torch.testing.assert_close(out, expected, **TOL)
+    windowless = _dense_with_sinks(q, k, v, sinks, True)
+    assert (out - windowless)[:, :, W:].abs().amax(dim=(0, 1, 3)).min() > 1e-3, "the window cuts every late row"
+    grads = torch.autograd.grad(_loss(out), (q, k, v, sinks))
+    for name, g, r in zip(["q", "k", "v", "sinks"], grads, torch.autograd.grad(_loss(expected), (q, k, v, sinks))):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_sinks_weights_sum_below_one_and_bad_sinks_or_backends_are_refused():
+    args = _good()
+    sinks = _sinks(torch.Generator().manual_seed(24)).detach()
+    out, w = attention_with_kv_cache(**args, is_causal=True, sinks=sinks, return_weights=True)
+    assert (w.sum(-1) < 1).all()
+    torch.testing.assert_close(out, w @ args["value_cache"][:, :, :5].repeat_interleave(3, dim=1), **TOL)
+    hkv_sized = torch.zeros(2, dtype=F64)  # one per key/value head: the usual mistake under GQA
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(6,\).*got \(2,\)"):
+        attention_with_kv_cache(**args, sinks=hkv_sized)
+    with pytest.raises(TypeError, match=r"sinks must be floating point"):
+        attention_with_kv_cache(**args, sinks=torch.zeros(H, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"sinks must hold finite logits or -inf"):
+        attention_with_kv_cache(**_good(paged=True), sinks=torch.full((H,), float("nan"), dtype=F64))
+    for backend in ("sdpa", "triton"):
+        with pytest.raises(ValueError, match=rf"backend='{backend}' cannot run this call: .*sinks"):
+            attention_with_kv_cache(**args, sinks=sinks, backend=backend)

@@ -261,3 +261,85 @@ def test_masks_broadcast_to_batch_heads(generator):
     _, w = mha(x, attn_mask=pad, is_causal=True, return_weights=True, average_weights=False)
     assert (w[1, :, :, 3:] == 0).all()
     assert (w.triu(1) == 0).all()
+
+
+# --- learned sinks ---------------------------------------------------------------------------------
+
+
+def _sink_module(num_kv_heads=H, seed=12, backend="math"):
+    torch.manual_seed(seed)
+    mha = MultiHeadAttention(EMBED, H, num_kv_heads=num_kv_heads, kdim=KDIM, vdim=VDIM, dtype=F64, sinks=True,
+                             backend=backend).eval()
+    with torch.no_grad():
+        mha.sinks.copy_(torch.tensor([1.5, -0.5, 0.7], dtype=F64))  # away from the zeros they start at
+    return mha
+
+
+def _dense_with_sinks(mha, x, y, z, keep):
+    """The module's projections by hand, then the core's math path with the module's sinks."""
+    from attention_ref import scaled_dot_product_attention
+
+    def heads(t, n):  # (B, T, n * D) -> (B, n, T, D)
+        return t.unflatten(-1, (n, D)).transpose(1, 2)
+
+    q = heads(x @ mha.q_proj.weight.T + mha.q_proj.bias, H)
+    k = heads(y @ mha.k_proj.weight.T + mha.k_proj.bias, mha.num_kv_heads)
+    v = heads(z @ mha.v_proj.weight.T + mha.v_proj.bias, mha.num_kv_heads)
+    out = scaled_dot_product_attention(q, k, v, keep, enable_gqa=mha.num_kv_heads != H, sinks=mha.sinks,
+                                       backend="math")  # (B, H, L, D)
+    return out.transpose(1, 2).flatten(-2) @ mha.out_proj.weight.T + mha.out_proj.bias
+
+
+@pytest.mark.parametrize("backend", ["math", "tiled"])
+@pytest.mark.parametrize("num_kv_heads", [1, 3], ids=["mqa", "mha"])
+def test_sinks_parameter_equals_the_dense_path_with_gradients(num_kv_heads, backend, generator):
+    mha = _sink_module(num_kv_heads, backend=backend)
+    assert isinstance(mha.sinks, nn.Parameter) and mha.sinks.shape == (H,)
+    x = torch.randn(B, L, EMBED, generator=generator, dtype=F64, requires_grad=True)
+    y = torch.randn(B, S, KDIM, generator=generator, dtype=F64, requires_grad=True)
+    z = torch.randn(B, S, VDIM, generator=generator, dtype=F64, requires_grad=True)
+    keep = padding_mask(torch.tensor([S, 4]), S)  # (B, 1, 1, S)
+    out = mha(x, y, z, keep)
+    ref = _dense_with_sinks(mha, x, y, z, keep)
+    torch.testing.assert_close(out, ref, **TOL)
+    leaves = (x, y, z, mha.sinks, mha.q_proj.weight, mha.k_proj.weight)
+    cotangent = torch.randn(out.shape, generator=generator, dtype=F64)
+    grads = torch.autograd.grad(out, leaves, cotangent)
+    for name, g, r in zip(["query", "key", "value", "sinks", "q_proj", "k_proj"], grads,
+                          torch.autograd.grad(ref, leaves, cotangent)):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+    assert (grads[3] != 0).all(), "the gradient reaches every head's sink"
+    with torch.no_grad():
+        mha.sinks.fill_(float("-inf"))  # -inf: no sink
+        assert (mha(x, y, z, keep) - out).abs().max() > 1e-2, "the sinks change the output"
+
+
+def test_sinks_start_at_zero_round_trip_the_state_dict_and_leave_from_torch_alone(generator):
+    fresh = MultiHeadAttention(EMBED, H, dtype=F64, sinks=True)
+    assert torch.equal(fresh.sinks, torch.zeros(H, dtype=F64)) and fresh.sinks.requires_grad
+    assert "sinks" in fresh.state_dict() and "sinks=True" in repr(fresh)
+    trained = _sink_module(num_kv_heads=H)
+    copy = MultiHeadAttention(EMBED, H, kdim=KDIM, vdim=VDIM, dtype=F64, sinks=True).eval()
+    copy.load_state_dict(trained.state_dict())
+    x = torch.randn(B, L, EMBED, generator=generator, dtype=F64)
+    y = torch.randn(B, S, KDIM, generator=generator, dtype=F64)
+    z = torch.randn(B, S, VDIM, generator=generator, dtype=F64)
+    torch.testing.assert_close(copy(x, y, z), trained(x, y, z), atol=0, rtol=0)
+    _, w = copy(x, y, z, return_weights=True, average_weights=False)
+    assert (w.sum(-1) < 1).all()  # the sink takes its share of every row
+    plain = MultiHeadAttention(EMBED, H, kdim=KDIM, vdim=VDIM, dtype=F64)
+    assert plain.sinks is None and "sinks" not in plain.state_dict()
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"sinks\""):
+        plain.load_state_dict(trained.state_dict())
+    ours = MultiHeadAttention.from_torch(_torch_mha("self", True, True, seed=3))
+    assert ours.sinks is None and "sinks" not in ours.state_dict()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_sinks_with_a_backend_that_takes_none_is_refused_by_name(backend):
+    with pytest.raises(ValueError, match=rf"sinks=True needs backend 'math', 'tiled' or 'auto', got backend='{backend}'"
+                       r", which takes no learned sinks"):
+        MultiHeadAttention(EMBED, H, sinks=True, backend=backend)
+    with pytest.raises(TypeError, match=r"sinks must be a bool, got int"):
+        MultiHeadAttention(EMBED, H, sinks=1)
+    MultiHeadAttention(EMBED, H, sinks=True, backend="auto")  # auto picks a backend that takes them

@@ -470,3 +470,75 @@ def test_helper_errors(name):
     call, error, match = HELPER_ERRORS[name]
     with pytest.raises(error, match=match):
         call()
+
+
+# --- learned sinks ---------------------------------------------------------------------------------
+# One logit per query head, shared by every sequence (attention_ref.sinks). The reference is the
+# dense math path with sinks=, each sequence alone; the packed call must give the same outputs, the
+# same sink-inclusive lse and the same gradients of q, k, v and the sinks.
+
+SINK_LENGTHS = ([2, 4, 0, 3, 5], [5, 0, 3, 3, 2])  # 4 queries without keys, 0 queries, Lq > Lk causal
+
+
+def _alone_with_sinks(q, k, v, lq, lk, causal, sinks):
+    """The math path on each sequence alone, with sinks; outputs and lse concatenated in packed order."""
+    from attention_ref import scaled_dot_product_attention
+
+    outs, lses = [], []
+    for qs, ks, vs, n_q, n_k in zip(q.split(lq, 1), k.split(lk, 1), v.split(lk, 1), lq, lk):
+        out, lse = scaled_dot_product_attention(qs, ks, vs, enable_gqa=True, sinks=sinks, return_lse=True,
+                                                mask_mod=mods.causal(offset=n_k - n_q) if causal else None,
+                                                backend="math")
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _out_and_lse_loss(out, lse):
+    """Depends on both results, so the lse's cotangent reaches the backward too."""
+    return (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sin().sum() + lse.mul(0.3).cos().sum()
+
+
+@pytest.mark.parametrize("backend", ["math", "tiled"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sinks_equal_each_sequence_alone_with_gradients(causal, backend):
+    lq, lk = SINK_LENGTHS
+    q, k, v, cu_q, cu_k = _packed(lq, lk)
+    sinks = (torch.randn(H, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2).requires_grad_()
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, is_causal=causal, sinks=sinks, return_lse=True,
+                                backend=backend)
+    ref, ref_lse = _alone_with_sinks(q, k, v, lq, lk, causal, sinks)
+    assert lse.shape == (H, sum(lq))
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+    leaves = (q, k, v, sinks)
+    grads = torch.autograd.grad(_out_and_lse_loss(out, lse), leaves)
+    ref_grads = torch.autograd.grad(_out_and_lse_loss(ref, ref_lse), leaves)
+    for name, g, r in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-9, msg=lambda m, name=name: f"d{name}: {m}")
+    # the rows with no key: output 0, lse = the head's sink (exactly), in every head
+    empty = [2, 3, 4, 5] + ([9, 10, 11] if causal else [])  # packed rows: sequence 1; with causal, 4's first 3
+    assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
+    assert torch.equal(lse[:, empty], sinks.detach()[:, None].expand(H, len(empty)))
+    assert torch.isfinite(lse).all() and (out[:, [0, 1, 6]].abs() > 0).all()
+
+
+def test_sinks_without_return_lse_and_the_errors_name_the_argument():
+    lq, lk = SINK_LENGTHS
+    q, k, v, cu_q, cu_k = _packed(lq, lk)
+    sinks = torch.linspace(-1, 1, H, dtype=torch.float64)
+    out = varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks)
+    torch.testing.assert_close(out, _alone_with_sinks(q, k, v, lq, lk, False, sinks)[0], atol=1e-12, rtol=1e-10)
+    assert not torch.allclose(out, varlen_attention(q, k, v, cu_q, cu_k)), "the sinks change the output"
+    lse = varlen_attention(q, k, v, cu_q, cu_k, return_lse=True)[1]  # no sink: a row without a key gives -inf
+    assert (lse[:, 2:6] == float("-inf")).all() and torch.isfinite(lse[:, :2]).all()
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(6,\).*got \(2,\)"):
+        varlen_attention(q, k, v, cu_q, cu_k, sinks=torch.zeros(HKV, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"sinks must be a torch.Tensor of shape \(H,\) = \(6,\), got list"):
+        varlen_attention(q, k, v, cu_q, cu_k, sinks=[0.0] * H)
+    with pytest.raises(TypeError, match=r"return_lse must be a bool, got int"):
+        varlen_attention(q, k, v, cu_q, cu_k, return_lse=1)
+    for backend in ("sdpa", "triton"):
+        with pytest.raises(ValueError, match=rf"backend='{backend}' cannot run this call: .*sinks"):
+            varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks, backend=backend)
