@@ -1,0 +1,214 @@
+"""Running cases: one case against the checker (`check`), a whole matrix into a `Report` (`run`).
+
+Each case is judged by `attention_ref.testing.assert_attention_close`, with the
+tolerances it chooses (FlashAttention's rule: a kernel may be at most twice as
+far from the float64 reference as plain PyTorch in the inputs' own dtype). The
+suite never loosens them: a known bug is an expected failure, pinned to a
+library version (`attention_ref.conformance.KnownFailure`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from attention_ref import testing
+from attention_ref.conformance.adapter import Adapter, load_adapter
+from attention_ref.conformance.cases import Case, Inputs, matrix, to_layout
+from attention_ref.conformance.report import CaseResult, Report
+
+__all__ = ["check", "judge_skip_reason", "run", "versions"]
+
+
+def _checker_takes(name: str) -> bool:
+    """Whether today's `assert_attention_close` takes the keyword ``name`` (it is being extended)."""
+    parameters = inspect.signature(testing.assert_attention_close).parameters
+    if name in parameters:
+        return True
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return takes_kwargs and name in getattr(testing, "_ATTENTION_KWARGS", ())
+
+
+def judge_skip_reason(case: Case) -> str | None:
+    """Why the checker cannot judge ``case`` yet, or ``None``."""
+    if "sinks" in case.features and not _checker_takes("sinks"):
+        return "attention_ref.testing.assert_attention_close takes no sinks= yet: the case cannot be judged"
+    return None
+
+
+def check(adapter: Adapter | str, case: Case, device: torch.device | str = "cpu") -> None:
+    """Run one case and judge it; return quietly when the kernel agrees with the reference.
+
+    The adapter's call gets the case's `attention_ref.conformance.cases.Problem`
+    in its layout; its output (and, in a bwd case, its gradients for a seeded
+    ``grad_output``) are put back in the canonical layout and given to
+    `attention_ref.testing.assert_attention_close` with the case's arguments.
+
+    Raises:
+        AssertionError: the output or a gradient is out of bounds (the checker's
+            message), or the output has the wrong shape. When a known bug's version
+            pin has passed, the message says that the bug was seen before.
+        Exception: whatever the kernel raised.
+    """
+    adapter = load_adapter(adapter)
+    inputs = case.build(device)
+    try:
+        _check(adapter, case, inputs)
+    except Exception as error:  # a known bug whose version pin has passed: say so, keep the error
+        known = adapter.known_failure(case)
+        if known is not None and not known.expected():
+            error.args = (f"{error.args[0] if error.args else ''}\n  note: a known failure of "
+                          f"{known.describe()} no longer expected in this version; still failing",
+                          *error.args[1:])
+        raise
+
+
+def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
+    problem = inputs.problem(adapter.layout, requires_grad=case.backward)
+    output = adapter.call(problem)
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"{adapter.name}'s call must return a torch.Tensor, got {type(output).__name__}")
+    actual = to_layout(output, adapter.output_layout)
+    expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])  # (..., L, Ev)
+    if tuple(actual.shape) != expected_shape:
+        got = tuple(output.shape)
+        raise AssertionError(
+            f"{adapter.name} returned shape {got} in layout {adapter.output_layout!r}, expected "
+            f"{tuple(to_layout(torch.empty(expected_shape, device='meta'), adapter.output_layout).shape)}"
+        )
+    kwargs = dict(inputs.reference_kwargs)
+    sinks = problem.sinks if case.backward and problem.sinks is not None else None
+    if case.backward:
+        generator = torch.Generator().manual_seed(case.seed + 1)
+        grad_output = torch.randn(expected_shape, generator=generator).to(case.dtype).to(actual.device)
+        leaves = (problem.query, problem.key, problem.value) + ((sinks,) if sinks is not None else ())
+        if output.grad_fn is None:
+            raise AssertionError(f"{adapter.name}'s output has no gradient (grad_fn is None) in a bwd case")
+        grads = torch.autograd.grad(output, leaves, to_layout(grad_output, adapter.output_layout), allow_unused=True)
+        grads = tuple(torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True))
+        canonical = tuple(to_layout(g, adapter.layout) for g in grads[:3]) + grads[3:]  # dsinks is (H,)
+        kwargs.update(grad_output=grad_output, actual_grads=canonical)
+    tensors = [actual.detach(), inputs.query, inputs.key, inputs.value]
+    if adapter.layout == adapter.output_layout != "bhld" and _checker_takes("layout"):
+        # the checker takes the kernel's layout itself (and reports positions in it)
+        tensors = [to_layout(t, adapter.layout) for t in tensors]
+        if case.backward:
+            kwargs["grad_output"] = to_layout(kwargs["grad_output"], adapter.layout)
+            kwargs["actual_grads"] = grads  # as the kernel gave them
+        kwargs["layout"] = adapter.layout
+    testing.assert_attention_close(*tensors, **kwargs)
+
+
+def _result(case: Case, status: str, detail: str, seconds: float) -> CaseResult:
+    dtype = str(case.dtype).removeprefix("torch.")
+    return CaseResult(case.id, case.scenario.name, dtype, "bwd" if case.backward else "fwd", case.shape,
+                      status, detail, seconds)
+
+
+def run_case(adapter: Adapter, case: Case, device: torch.device | str = "cpu") -> CaseResult:
+    """One case's `CaseResult`: skipped, passed, failed, error, xfailed or xpassed."""
+    reason = adapter.skip_reason(case) or judge_skip_reason(case)
+    if reason is not None:
+        return _result(case, "skipped", reason, 0.0)
+    known = adapter.known_failure(case)
+    expected = known is not None and known.expected()
+    start = time.perf_counter()
+    try:
+        check(adapter, case, device)
+    except AssertionError as error:
+        status, detail = "failed", str(error)
+    except Exception as error:  # the kernel raised: reported, not propagated
+        status, detail = "error", f"{type(error).__name__}: {error}"
+    else:
+        status, detail = "passed", ""
+    seconds = time.perf_counter() - start
+    if expected:
+        assert known is not None
+        if status == "passed":
+            status, detail = "xpassed", f"a known failure did not show (fixed upstream?): {known.describe()}"
+        else:
+            status, detail = "xfailed", f"{known.describe()}\n{detail}"
+    return _result(case, status, detail, seconds)
+
+
+def versions() -> dict[str, str | None]:
+    """The versions of the libraries a run depends on (``None``: not installed)."""
+    found: dict[str, str | None] = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("attention-ref", "transformers", "triton"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _progress(cases: list[Case], name: str, enabled: bool) -> Iterator[Case]:
+    """The cases, with a progress bar on stderr (tqdm when installed, else a line every 10%)."""
+    if not enabled:
+        yield from cases
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        step = max(1, len(cases) // 10)
+        for i, case in enumerate(cases, 1):
+            yield case
+            if i % step == 0 or i == len(cases):
+                print(f"{name}: {i}/{len(cases)} cases", file=sys.stderr)
+        return
+    yield from tqdm(cases, desc=name, unit="case", file=sys.stderr)
+
+
+def run(
+    adapter: Adapter | str,
+    size: str = "quick",
+    *,
+    progress: bool = False,
+    device: torch.device | str = "cpu",
+    select: Callable[[Case], bool] | Iterable[str] | None = None,
+) -> Report:
+    """Run every case of ``size`` that the adapter supports; return the `Report`.
+
+    Args:
+        adapter: an `Adapter`, or ``"package.module:name"`` of one.
+        size: ``"quick"`` (the small shapes, low precision on the core scenarios)
+            or ``"full"`` (see `attention_ref.conformance.cases.matrix`).
+        progress: show a progress bar on stderr.
+        device: where the inputs go (they are drawn on the CPU first, so the
+            numbers are the same on every device).
+        select: only some cases: a predicate on `Case`, or case ids.
+
+    Returns:
+        A `Report`: ``.summary()``, ``.table()``, ``.to_json()``; ``.ok`` is True
+        when no case failed, raised or passed against a known bug.
+
+    Raises:
+        ValueError: an unknown size, or ids in ``select`` that are not cases of it.
+
+    Example:
+        >>> from attention_ref import conformance
+        >>> report = conformance.run("attention_ref.conformance.shipped:torch_sdpa_math",
+        ...                          select=["causal-float32-fwd-small"])
+        >>> report.summary()  # doctest: +ELLIPSIS
+        'torch-sdpa-math (quick, cpu): 1 passed in ... s'
+    """
+    adapter = load_adapter(adapter)
+    cases = matrix(size)
+    if select is not None and not callable(select):
+        wanted = list(select)
+        known_ids = {case.id for case in cases}
+        unknown = [i for i in wanted if i not in known_ids]
+        if unknown:
+            raise ValueError(f"no {size} case has the ids {unknown}")
+        cases = [case for case in cases if case.id in set(wanted)]
+    elif select is not None:
+        cases = [case for case in cases if select(case)]
+    start = time.perf_counter()
+    results = [run_case(adapter, case, device) for case in _progress(cases, adapter.name, progress)]
+    return Report(adapter.name, adapter.description, size, str(torch.device(device)), results, versions(),
+                  time.perf_counter() - start)

@@ -1,0 +1,365 @@
+"""`attention_ref.conformance`: the case matrix, the adapter protocol, the reports, the pytest plugin.
+
+Every shipped adapter runs the quick matrix here and must agree with the reference
+on every case it supports, except the known bugs, each pinned to the library
+version it was seen in (a strict expectation: a bug that stops showing fails the
+test, so the entry goes when upstream fixes it). Adapters with planted bugs (a
+wrong scale, an ignored mask, GQA heads in the wrong order, the other causal
+alignment, an inverted boolean mask, a forgotten transpose) must be reported on
+exactly the cases that exercise the bug. ``torch.compile`` on CPU takes minutes:
+the compiled FlexAttention adapters run only with ``ATTENTION_REF_SLOW_TESTS=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_ref import conformance
+from attention_ref.conformance import Adapter, KnownFailure, shipped
+from attention_ref.conformance.cases import FEATURES, SCENARIOS, by_id, matrix
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: the cases are tiny, and on a busy machine OpenMP's spinning threads
+    cost more than the arithmetic (measured: 10x the CPU time of the whole file)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+SLOW = pytest.mark.skipif(not os.environ.get("ATTENTION_REF_SLOW_TESTS"),
+                          reason="torch.compile on CPU takes minutes: set ATTENTION_REF_SLOW_TESTS=1")
+FLASH_BACKWARD = {"float_mask-bfloat16-bwd-small"}  # torch's CPU flash kernel, see shipped._CPU_FLASH_BACKWARD
+HF_FLEX = {"float_mask_per_head-float32-fwd-small", "float_mask_batch1-float32-fwd-small"}
+# Each shipped adapter: the cases expected to fail (known bugs) and how many must pass at least.
+EXPECTED = {
+    "torch-sdpa-math": (set(), 50),
+    "torch-sdpa-flash": (FLASH_BACKWARD, 50),
+    "torch-flex": (set(), 38),
+    "torch-multihead": (FLASH_BACKWARD, 35),
+    "hf-sdpa": (FLASH_BACKWARD, 70),
+    "hf-flex": (HF_FLEX, 36),
+    "hf-eager": (set(), 65),
+    "attention_ref-math": (set(), 88),
+    "attention_ref-tiled": (set(), 88),
+    "attention_ref-triton": (set(), 30),
+}
+
+
+# ---- the matrix ----------------------------------------------------------------------------------
+
+
+def test_the_matrix_sizes_and_ids():
+    quick, full = matrix("quick"), matrix("full")
+    assert (len(quick), len(full)) == (88, 324)
+    assert len({c.id for c in full}) == len(full)  # every id names one case
+    assert {c.id for c in quick} <= {c.id for c in full}  # a quick case reruns by its id in full
+    assert quick[0].id == "plain-float32-fwd-small"
+    assert by_id("causal_bottom_right-float16-bwd-medium").shape == "medium"
+    with pytest.raises(KeyError, match="no conformance case has the id 'causal-float64-fwd-small'"):
+        by_id("causal-float64-fwd-small")
+    with pytest.raises(ValueError, match=r"size must be one of \('quick', 'full'\), got 'huge'"):
+        matrix("huge")
+
+
+def test_every_feature_is_exercised_and_every_scenario_needs_known_features():
+    used = set().union(*(s.features for s in SCENARIOS.values())) | {"backward"}
+    assert used == set(FEATURES)
+
+
+def test_a_case_is_the_same_numbers_every_time():
+    case = by_id("gqa-bfloat16-bwd-small")
+    a, b = case.build(), case.build()
+    assert case.seed == 3760335049  # zlib.crc32(b"gqa-bfloat16-bwd-small"), on every machine
+    for x, y in ((a.query, b.query), (a.key, b.key), (a.value, b.value)):
+        assert torch.equal(x, y) and x.dtype == torch.bfloat16
+    assert a.query.shape == (2, 6, 5, 16) and a.key.shape == (2, 2, 7, 16)  # H = 6, Hkv = 2, L = 5, S = 7
+
+
+def test_dense_mask_in_each_convention():
+    p = by_id("causal_bool_mask-float32-fwd-small").build().problem("bhld", requires_grad=False)
+    keep = p.dense_mask()  # bool: the attn_mask and the top-left causal rule
+    assert keep.dtype == torch.bool and keep.shape == (2, 3, 5, 7)
+    assert not keep[..., 0, 1:].any() and torch.equal(keep, p.attn_mask & torch.ones(5, 7, dtype=torch.bool).tril())
+    float_mask = p.dense_mask(fill=torch.finfo(torch.float32).min)  # transformers' eager convention
+    assert float_mask.dtype == torch.float32
+    assert torch.equal(float_mask == 0, keep) and (float_mask[~keep] == torch.finfo(torch.float32).min).all()
+    assert by_id("plain-float32-fwd-small").build().problem("bhld", False).dense_mask() is None
+
+
+def test_a_blhd_problem_is_the_transpose_and_paged_pools_hold_the_dense_keys():
+    inputs = by_id("paged_prefill-float32-fwd-small").build()
+    p = inputs.problem("blhd", requires_grad=False)
+    assert torch.equal(p.query, inputs.query.transpose(1, 2))
+    assert p.key.shape == (8, 4, 3, 16)  # (num_blocks, block_size, Hkv, E): FlashAttention's pool, 5 blocks used
+    b, position = 0, 6  # sequence 0's position 6: block table entry 6 // 4, slot 6 % 4
+    block = int(p.block_table[b, position // 4])
+    assert torch.equal(p.key[block, position % 4], inputs.key[b, :, position])
+
+
+# ---- the shipped adapters ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_shipped_adapter_agrees_with_the_reference_except_its_known_bugs(name):
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    if name == "attention_ref-triton":
+        pytest.importorskip("triton")
+    report = conformance.run(shipped.SHIPPED[name](), "quick")
+    assert report.ok, str(report)
+    known, at_least = EXPECTED[name]
+    assert {r.id for r in report.results if r.status == "xfailed"} == known
+    assert report.counts()["passed"] >= at_least, report.summary()
+
+
+def test_known_bugs_are_pinned_to_a_version_and_say_why():
+    flex = shipped.hf_flex()
+    case = by_id("float_mask_per_head-float32-fwd-small")
+    known = flex.known_failure(case)
+    assert known.library == "transformers" and known.seen_in == "5.23.0"
+    assert "head 0's float mask to every head" in known.describe()
+    assert flex.known_failure(by_id("float_mask-float32-fwd-small")) is None  # (B, 1, L, S): no bug
+
+
+def test_unsupported_features_are_skipped_with_the_reason():
+    report = conformance.run(shipped.torch_flex(), select=["causal-float32-bwd-small", "sinks-float32-fwd-small"])
+    reasons = {r.id: r.detail for r in report.results}
+    assert reasons["causal-float32-bwd-small"] == (
+        "torch-flex does not support backward (backward: FlexAttention has no backward on CPU (NotImplementedError))")
+    assert reasons["sinks-float32-fwd-small"] == "torch-flex does not support sinks"
+
+
+@SLOW
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+@pytest.mark.parametrize("factory", [shipped.torch_flex_compiled, shipped.hf_flex_compiled])
+def test_compiled_flex_adapters(factory):
+    if factory is shipped.hf_flex_compiled:
+        pytest.importorskip("transformers")
+    ids = ["plain-float32-fwd-small", "float_mask-float32-fwd-small", "causal_bottom_right-float32-fwd-small",
+           "document-float32-fwd-small", "softcap-float16-fwd-small"]
+    report = conformance.run(factory(), select=ids)
+    assert report.ok, str(report)
+    statuses = {r.id: r.status for r in report.results}
+    if factory is shipped.hf_flex_compiled:  # its float masks crash the process on a CPU: not run
+        assert statuses.pop("float_mask-float32-fwd-small") == "skipped"
+    assert set(statuses.values()) == {"passed"}, str(report)
+
+
+# ---- break the code: planted bugs are reported where they show -------------------------------------------
+
+
+def _sdpa(p, **overrides):
+    kwargs = {"attn_mask": p.attn_mask, "is_causal": p.is_causal, "scale": p.scale, "enable_gqa": p.enable_gqa}
+    kwargs.update(overrides)
+    mask = kwargs["attn_mask"]
+    if kwargs["is_causal"] and mask is not None:  # torch takes one or the other: fold the causal rule in
+        causal = torch.ones(p.query.shape[-2], p.key.shape[-2], dtype=torch.bool).tril()
+        mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
+        kwargs.update(attn_mask=mask, is_causal=False)
+    return F.scaled_dot_product_attention(p.query, p.key, p.value, **kwargs)
+
+
+def _wrong_gqa_order(p):
+    if not p.enable_gqa:
+        return _sdpa(p)
+    groups = p.query.shape[1] // p.key.shape[1]
+    key, value = p.key.repeat(1, groups, 1, 1), p.value.repeat(1, groups, 1, 1)  # should be repeat_interleave
+    return F.scaled_dot_product_attention(p.query, key, value, attn_mask=p.attn_mask, is_causal=p.is_causal,
+                                          scale=p.scale)
+
+
+def _transposed_back_forgotten(p):
+    bhld = {"query": p.query.transpose(1, 2), "key": p.key.transpose(1, 2), "value": p.value.transpose(1, 2)}
+    return _sdpa(dataclasses.replace(p, layout="bhld", **bhld))  # returned as (B, H, L, Ev), not blhd
+
+
+def _inverted_bool_mask(p):
+    mask = p.attn_mask
+    return _sdpa(p, attn_mask=~mask if mask is not None and mask.dtype == torch.bool else mask)
+
+
+BOOL_MASKS = {"key_padding", "bool_mask", "bool_mask_batch1", "empty_rows", "causal_bool_mask"}
+# name: (call, layout, the scenarios that must fail (None: all it runs), (a case, the likely cause it names))
+PLANTED = {
+    "scale 1/E": (lambda p: _sdpa(p, scale=1 / p.query.shape[-1]), "bhld", None,
+                  ("plain", "likely cause: scale = 1/E = 0.0625 instead of 1/sqrt(E) = 0.25")),
+    "mask ignored": (lambda p: _sdpa(p, attn_mask=None), "bhld",
+                     BOOL_MASKS | {"float_mask", "float_mask_per_head", "float_mask_batch1"}, None),
+    "gqa heads repeated, not interleaved": (_wrong_gqa_order, "bhld", {"gqa"},
+                                            ("gqa", "likely cause: the key and value heads in the wrong GQA order")),
+    "bottom-right causal taken as top-left": (lambda p: _sdpa(p, is_causal=p.causal is not None), "bhld",
+                                              {"causal_bottom_right", "causal_bottom_right_tall"}, None),
+    "bool mask inverted": (_inverted_bool_mask, "bhld", BOOL_MASKS,
+                           ("bool_mask", "likely cause: the boolean attn_mask is inverted")),
+    "output not transposed back": (_transposed_back_forgotten, "blhd", None, None),
+}
+_SUPPORTS = {"backward", "scale", "value_dim", "gqa", "mqa", "key_padding", "bool_mask", "float_mask", "empty_rows",
+             "causal", "causal_bottom_right"}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_a_planted_bug_is_reported_on_the_cases_that_exercise_it(name):
+    call, layout, failing, named = PLANTED[name]
+    supports = _SUPPORTS - ({"causal_bottom_right"} if name != "bottom-right causal taken as top-left" else set())
+    adapter = Adapter(f"planted: {name}", call, supports=supports, layout=layout)
+    report = conformance.run(adapter, select=lambda c: c.dtype == torch.float32)
+    bad = {r.scenario for r in report.problems()}
+    run = {r.scenario for r in report.results if r.status != "skipped"}
+    assert bad == (run if failing is None else failing & run) and bad, report.table()
+    if named is not None:
+        scenario, cause = named
+        assert all(cause in r.detail for r in report.problems() if r.scenario == scenario), report.table()
+    assert not report.ok and "failed" in report.summary()
+
+
+def test_a_planted_bug_says_where_the_output_differs():
+    adapter = Adapter("planted", PLANTED["scale 1/E"][0], supports=_SUPPORTS)
+    report = conformance.run(adapter, select=["plain-float32-fwd-small"])
+    (result,) = report.results
+    assert result.status == "failed"
+    assert re.search(r"output:\n    max\|actual - reference\|", result.detail), result.detail
+    assert "likely cause" in result.detail and "query (2, 3, 5, 16), key (2, 3, 7, 16)" in result.detail
+
+
+def test_a_kernel_that_raises_is_an_error_not_a_crash():
+    def broken(p):
+        raise RuntimeError("kernel launch failed")
+
+    report = conformance.run(Adapter("broken", broken), select=["plain-float32-fwd-small"])
+    assert [(r.status, r.detail) for r in report.results] == [("error", "RuntimeError: kernel launch failed")]
+
+
+# ---- known failures: pinned to a version ---------------------------------------------------------------
+
+
+def _sdpa_math_with(known: KnownFailure) -> Adapter:
+    base = shipped.torch_sdpa_math()
+    return Adapter("pinned", base.call, supports=base.supports, known_failures=(known,))
+
+
+def test_a_known_failure_that_passes_is_reported_as_fixed_upstream():
+    known = KnownFailure("imaginary bug", "torch", "99.0", frozenset({"plain"}))
+    report = conformance.run(_sdpa_math_with(known), select=["plain-float32-fwd-small"])
+    assert report.results[0].status == "xpassed" and not report.ok
+    assert report.results[0].detail == ("a known failure did not show (fixed upstream?): "
+                                        "imaginary bug (seen in torch 99.0)")
+
+
+def test_a_known_failure_of_an_older_version_is_judged_plainly_again():
+    known = KnownFailure("old bug", "torch", "1.0", frozenset({"plain"}))
+    assert not known.expected()  # torch here is newer than 1.0: the expectation is dropped
+    report = conformance.run(_sdpa_math_with(known), select=["plain-float32-fwd-small"])
+    assert report.results[0].status == "passed"
+
+    def wrong(p):
+        return _sdpa(p) * 1.5
+
+    adapter = Adapter("still broken", wrong, known_failures=(known,))
+    (result,) = conformance.run(adapter, select=["plain-float32-fwd-small"]).results
+    assert result.status == "failed"
+    assert "a known failure of old bug (seen in torch 1.0) no longer expected in this version" in result.detail
+
+
+# ---- the protocol's errors ---------------------------------------------------------------------------------
+
+
+def test_adapter_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"adapter 'x': unknown features \['windows'\]; known: \["):
+        Adapter("x", lambda p: p.query, supports={"windows"})
+    with pytest.raises(ValueError, match=r"adapter 'x': layout must be one of \('bhld', 'blhd'\), got 'bshd'"):
+        Adapter("x", lambda p: p.query, layout="bshd")
+    with pytest.raises(ValueError, match=r"adapter 'x': dtypes must be among \['float32', 'float16', 'bfloat16'\]"):
+        Adapter("x", lambda p: p.query, dtypes=(torch.float64,))
+    with pytest.raises(ValueError, match="an adapter is given as 'package.module:name', got 'nomodule'"):
+        conformance.load_adapter("nomodule")
+    with pytest.raises(ValueError, match="must name an attention_ref.conformance.Adapter or a function returning one"):
+        conformance.load_adapter("attention_ref.conformance.cases:FEATURES")
+    with pytest.raises(ValueError, match=r"no quick case has the ids \['nope'\]"):
+        conformance.run(shipped.torch_sdpa_math(), select=["nope"])
+
+
+def test_a_wrong_output_shape_fails_with_both_shapes():
+    report = conformance.run(Adapter("short", lambda p: p.query[..., :3, :]), select=["plain-float32-fwd-small"])
+    assert report.results[0].detail == (
+        "short returned shape (2, 3, 3, 16) in layout 'bhld', expected (2, 3, 5, 16)")
+
+
+# ---- the report ----------------------------------------------------------------------------------------------
+
+
+def test_the_report_as_summary_table_json_and_matrix():
+    report = conformance.run(shipped.torch_sdpa_math(),
+                             select=["plain-float32-fwd-small", "sinks-float32-fwd-small", "causal-float32-bwd-small"])
+    assert re.fullmatch(r"torch-sdpa-math \(quick, cpu\): 2 passed, 1 skipped in \d+\.\d s", report.summary())
+    lines = report.table().splitlines()
+    assert lines[0].split() == ["case", "status", "ms", "detail"]
+    assert [line.split()[:2] for line in lines[2:]] == [
+        ["plain-float32-fwd-small", "passed"], ["causal-float32-bwd-small", "passed"],
+        ["sinks-float32-fwd-small", "skipped"]]
+    data = json.loads(report.to_json())
+    assert data["counts"]["passed"] == 2 and data["versions"]["torch"] == torch.__version__
+    assert [r["id"] for r in data["results"]] == [r.id for r in report.results]
+    assert conformance.agreement_matrix([report]).splitlines() == [
+        "| scenario | torch-sdpa-math |", "|---|---|", "| plain | ok |", "| causal | ok |", "| sinks | - |"]
+
+
+def test_progress_goes_to_stderr(capsys):
+    conformance.run(shipped.torch_sdpa_math(), select=["plain-float32-fwd-small"], progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "torch-sdpa-math" in captured.err
+
+
+# ---- the pytest plugin -----------------------------------------------------------------------------------------
+
+
+def test_the_pytest_plugin_runs_the_suite_on_a_named_adapter(tmp_path):
+    (tmp_path / "my_kernels.py").write_text(textwrap.dedent("""
+        import torch.nn.functional as F
+        from attention_ref.conformance import Adapter
+
+        def call(p):
+            return F.scaled_dot_product_attention(p.query, p.key, p.value, scale=p.scale) * 1.01
+
+        adapter = Adapter("slightly-off", call, supports={"scale"})
+    """))
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "attention_ref.conformance",
+               "--attention-impl=my_kernels:adapter", "-k", "plain-float32 or scale-float32 or causal-float32-fwd",
+               "-rfs", "-q"]
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert "FAILED" in out and "test_case[plain-float32-fwd-small]" in out and "likely cause" in out
+    assert "slightly-off does not support causal" in out and "slightly-off does not support backward" in out
+    assert "2 failed, 4 skipped" in out, out
+
+
+# ---- the full run's script ---------------------------------------------------------------------------------------
+
+
+def test_the_full_run_script_writes_json_with_provenance(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import conformance_full
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "run.json"
+    argv = ["--size", "quick", "--adapters", "attention_ref-tiled", "--no-progress", "--out", str(out)]
+    assert conformance_full.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["provenance"]["command"] == "python benchmarks/conformance_full.py " + " ".join(argv)
+    assert record["provenance"]["versions"]["torch"] == torch.__version__ and "git_commit" in record["provenance"]
+    assert record["config"]["cases"] == 88
+    assert record["summary"]["attention_ref-tiled"]["passed"] == 88
