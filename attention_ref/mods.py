@@ -300,38 +300,72 @@ def sliding_window(left: int | None, right: int | None = 0, offset: int = 0, *, 
     return sliding_window_mask_mod
 
 
-def chunked(size: int, offset: int = 0) -> MaskMod:
+def chunked(size: int, offset: int = 0, *, start: torch.Tensor | None = None) -> MaskMod:
     """Chunked (local) attention: key ``j`` takes part for query ``i`` when ``(i + offset) // size == j // size``.
 
     Positions are cut into consecutive chunks of ``size`` (Llama 4's chunked
     attention); a query sees every key of its own chunk, in both directions.
     Combine with `causal` (`and_masks`) for the causal version.
 
+    With ``start``, chunks are counted from position ``start[b]`` of each
+    sequence instead of 0: ``(i + offset - start[b]) // size == (j - start[b]) // size``.
+    transformers does this with left padding (``chunked_overlay(chunk_size,
+    left_padding)`` in ``masking_utils``): the first chunk begins at a
+    sequence's first real token, not at the first (padding) slot, so a batch
+    padded on the left is chunked like each sequence alone.
+
     Args:
         size: chunk length, ``> 0``.
         offset: query ``i`` sits at position ``i + offset``.
+        start: ``(B,)`` integer tensor, where each sequence's first chunk
+            begins (its number of left padding slots), each ``>= 0``; ``None``
+            counts from 0.
 
     Returns:
         ``mask_mod(b, h, q_idx, kv_idx)``.
 
     Raises:
-        TypeError: ``size`` or ``offset`` not an int.
-        ValueError: ``size <= 0``.
+        TypeError: ``size`` or ``offset`` not an int, ``start`` not an integer tensor.
+        ValueError: ``size <= 0``, ``start`` not 1-D or negative; when the mod
+            is used, a batch that is not ``B``.
 
     Examples:
         >>> create_mask(chunked(2), None, None, 3, 3)[0, 0].int().tolist()
         [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+
+        One slot of left padding shifts the chunks by one:
+
+        >>> create_mask(chunked(2, start=torch.tensor([1])), 1, None, 3, 3)[0, 0].int().tolist()
+        [[1, 0, 0], [0, 1, 1], [0, 1, 1]]
     """
     if isinstance(size, bool) or not isinstance(size, int):
         raise TypeError(f"size must be a positive int, got {type(size).__name__}")
     if size <= 0:
         raise ValueError(f"size must be a positive int (the chunk length), got {size}")
     offset = _check_int("offset", offset)
+    if start is None:
 
-    def chunked_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return torch.div(q_idx + offset, size, rounding_mode="floor") == torch.div(kv_idx, size, rounding_mode="floor")
+        def chunked_mask_mod(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            return torch.div(q_idx + offset, size, rounding_mode="floor") == torch.div(kv_idx, size,
+                                                                                      rounding_mode="floor")
 
-    return chunked_mask_mod
+        return chunked_mask_mod
+
+    start = _require_int_tensor("start", start, "(B,)", (1,))
+    if start.numel() and int(start.min()) < 0:
+        raise ValueError(f"start must be non-negative (left padding slots), got a minimum of {int(start.min())}")
+
+    def chunked_from_start_mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        first = start[b]  # where this sequence's chunks begin
+        return torch.div(q_idx + offset - first, size, rounding_mode="floor") == torch.div(
+            kv_idx - first, size, rounding_mode="floor")
+
+    _with_checks(chunked_from_start_mask_mod, [_batch_check("chunked(size, start=)", "start", start)])
+    return chunked_from_start_mask_mod
 
 
 def prefix_lm(prefix_length: int | torch.Tensor, offset: int = 0) -> MaskMod:
@@ -457,33 +491,73 @@ def document(document_ids: torch.Tensor, kv_document_ids: torch.Tensor | None = 
     return document_mask_mod
 
 
-def padding(lengths: torch.Tensor) -> MaskMod:
-    """Key padding: key ``j`` takes part for batch entry ``b`` when ``j < lengths[b]``.
+def padding(lengths: torch.Tensor, side: str = "right", *, total: int | None = None) -> MaskMod:
+    """Key padding: key ``j`` takes part for batch entry ``b`` when ``j < lengths[b]`` (right padding).
+
+    With ``side="left"`` the padding comes first, as in batched generation:
+    key ``j`` takes part when ``j >= total - lengths[b]``. A mask mod sees
+    only indices, not ``S``, so left padding needs ``total`` (the padded
+    length, ``S``), checked against ``S`` when the mod is used.
 
     Args:
         lengths: ``(B,)`` integer tensor of valid key lengths, each ``>= 0``.
+        side: ``"right"`` (the real keys first) or ``"left"`` (the padding first).
+        total: the padded key length ``S``; needed with ``side="left"``, refused otherwise.
 
     Returns:
         ``mask_mod(b, h, q_idx, kv_idx)``.
 
     Raises:
-        TypeError: ``lengths`` not an integer tensor.
-        ValueError: ``lengths`` not 1-D or negative; when the mod is used, a
-            batch that is not ``B``.
+        TypeError: ``lengths`` not an integer tensor, ``total`` not an int.
+        ValueError: ``lengths`` not 1-D or negative, an unknown ``side``,
+            ``total`` missing for ``side="left"`` (or given for ``"right"``),
+            a length above ``total``; when the mod is used, a batch that is
+            not ``B`` or an ``S`` that is not ``total``.
 
     Examples:
         >>> create_mask(padding(torch.tensor([1, 3])), 2, None, 1, 3)[:, 0, 0].int().tolist()
         [[1, 0, 0], [1, 1, 1]]
+        >>> left = padding(torch.tensor([1, 3]), side="left", total=3)
+        >>> create_mask(left, 2, None, 1, 3)[:, 0, 0].int().tolist()
+        [[0, 0, 1], [1, 1, 1]]
     """
     lengths = _require_int_tensor("lengths", lengths, "(B,)", (1,))
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"lengths must be non-negative, got a minimum of {int(lengths.min())}")
+    if side not in ("right", "left"):
+        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
+    if side == "right":
+        if total is not None:
+            raise ValueError(f"total is only for side='left' (right padding needs no length), got total={total}")
 
-    def padding_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return kv_idx < lengths[b]
+        def padding_mask_mod(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            return kv_idx < lengths[b]
 
-    _with_checks(padding_mask_mod, [_batch_check("padding(lengths)", "lengths", lengths)])
-    return padding_mask_mod
+        _with_checks(padding_mask_mod, [_batch_check("padding(lengths)", "lengths", lengths)])
+        return padding_mask_mod
+
+    if total is None:
+        raise ValueError(
+            "padding(lengths, side='left') needs total=S, the padded key length: a mask mod sees indices, not S"
+        )
+    total = _check_int("total", total)
+    if lengths.numel() and int(lengths.max()) > total:
+        raise ValueError(f"lengths must be at most total = {total}, got a maximum of {int(lengths.max())}")
+    first = total - lengths  # (B,): the first real key of each sequence
+
+    def check(B: int, H: int, L: int, S: int) -> None:
+        if S != total:
+            raise ValueError(f"padding(lengths, side='left', total={total}) used with S = {S} keys; total must be S")
+
+    def left_padding_mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return kv_idx >= first[b]
+
+    _with_checks(left_padding_mask_mod, [_batch_check("padding(lengths, side='left')", "lengths", lengths), check])
+    return left_padding_mask_mod
 
 
 def padding_tokens(tokens: torch.Tensor, pad_id: int) -> MaskMod:

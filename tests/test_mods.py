@@ -672,3 +672,49 @@ def test_multihead_forward_takes_the_mods():
                                average_weights=False)  # the bias as a float mask
     assert torch.allclose(out, expected, atol=1e-12) and torch.allclose(w, expected_w, atol=1e-12)
     assert not torch.allclose(out, mha(x), atol=1e-6)
+
+
+# --- chunks counted from each sequence's start, left padding (transformers' convention) ---------
+
+
+@pytest.mark.parametrize(("L", "q_offset"), [(11, 0), (1, 10), (4, 7)], ids=["prefill", "decode", "chunk"])
+def test_chunked_from_start_and_left_padding_equal_transformers_masks(L, q_offset):
+    """transformers counts chunks from each sequence's first real token; so do chunked(start=) and padding('left')."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    S, size = 11, 3
+    lengths = torch.tensor([11, 7, 4, 0])
+    left_padding = S - lengths  # slots of padding before each sequence
+    real = torch.arange(S) >= left_padding[:, None]  # (B, S) True = a real token, as transformers' attention_mask
+    expected = masking_utils.sdpa_mask(
+        batch_size=4, q_length=L, kv_length=S, q_offset=q_offset,
+        mask_function=masking_utils.chunked_causal_mask_function(size, left_padding),
+        attention_mask=real, allow_is_causal_skip=False,
+    )  # (B, 1, L, S)
+    ours = mods.and_masks(mods.causal(offset=q_offset), mods.chunked(size, q_offset, start=left_padding),
+                          mods.padding(lengths, side="left", total=S))
+    got = mods.create_mask(ours, 4, None, L, S)  # (B, 1, L, S)
+    assert torch.equal(got, expected)
+    # Without start, chunks counted from slot 0 differ wherever a sequence is left padded by a non-multiple of size.
+    plain = mods.and_masks(mods.causal(offset=q_offset), mods.chunked(size, q_offset),
+                           mods.padding(lengths, side="left", total=S))
+    assert not torch.equal(mods.create_mask(plain, 4, None, L, S), expected)
+
+
+def test_left_padding_and_chunk_start_errors_name_the_argument():
+    lengths = torch.tensor([2, 3])
+    with pytest.raises(ValueError, match=r"side='left'\) needs total=S"):
+        mods.padding(lengths, side="left")
+    with pytest.raises(ValueError, match="side must be 'right' or 'left', got 'top'"):
+        mods.padding(lengths, side="top")
+    with pytest.raises(ValueError, match="total is only for side='left'"):
+        mods.padding(lengths, total=3)
+    with pytest.raises(ValueError, match="lengths must be at most total = 2, got a maximum of 3"):
+        mods.padding(lengths, side="left", total=2)
+    with pytest.raises(ValueError, match=r"total=5\) used with S = 4 keys"):
+        mods.create_mask(mods.padding(lengths, side="left", total=5), 2, None, 1, 4)
+    with pytest.raises(ValueError, match="start must be non-negative"):
+        mods.chunked(2, start=torch.tensor([0, -1]))
+    with pytest.raises(TypeError, match="start"):
+        mods.chunked(2, start=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="start"):
+        mods.create_mask(mods.chunked(2, start=torch.tensor([0, 1, 2])), 2, None, 3, 3)
