@@ -12,27 +12,59 @@ The mask trap. transformers builds each layer's mask with a *mask function*
 looked up under the same name (``AttentionMaskInterface``). An attention
 function registered without one receives ``attention_mask=None``, and a causal
 model that trusts the mask silently attends to the future. `register` also
-registers transformers' own ``sdpa_mask``: a boolean ``(B, 1, L, S)`` mask,
-``True`` = takes part, the convention of this package. That mask is ``None``
-when there is no padding and the causal rule alone suffices; the attention
-function then applies it itself, exactly as transformers' SDPA path does:
-``is_causal = L > 1 and module.is_causal`` (top-left aligned, which equals
-bottom-right there, since transformers only skips the mask when ``L == S`` or
-``L == 1``).
+registers ``eager_mask``, the mask function of transformers' own eager
+attention, so every model hands attention_ref exactly the mask tensor its eager
+path gets: float ``(B, 1, L, S)``, 0 where a pair takes part and the dtype's
+most negative number where not, added to the scores. A comparison with eager
+then isolates the attention function. transformers' ``sdpa_mask`` would give a
+boolean mask (this package's convention, ``True`` = takes part), but a model
+written only for eager's float mask misreads it: DeepSeek V4 appends its
+compressed keys' bias with ``.to(attention_mask.dtype)``, which turns a bool
+mask's ``-inf`` into ``True``: its logits leave eager's, silently.
+So a query row with no key (a padding token's) is spread evenly over the keys, as
+in eager, where a boolean mask would give it weights 0. A layer that gets no
+mask at all (a model's own choice, or a layer called on its own) gets the
+causal rule, as transformers' SDPA path applies it: ``is_causal = L > 1 and
+module.is_causal``, top-left aligned.
 
-What transformers passes and what becomes of it:
+No keyword is dropped. Every keyword a model passes either changes the result
+and is implemented, is on `HARMLESS_KEYWORDS` (it cannot change the result, for
+the reason given there), or raises `NotImplementedError` naming the keyword, the
+layer's class and its index. A reference that is silently wrong is worse than
+none: a model that passed ``s_aux`` (gpt-oss's sinks) or ``position_bias`` (T5)
+to a function that ignored them would give plausible logits, far from eager's.
 
-| transformers passes | attention_ref receives |
+| transformers passes | attention_ref does |
 | --- | --- |
-| ``query (B, H, L, E)``, ``key``/``value (B, Hkv, S, E)`` | the same; ``enable_gqa=True`` when ``Hkv < H`` |
-| ``scaling`` | ``scale`` |
-| ``attention_mask`` (bool, ``True`` = takes part), or ``None`` | ``attn_mask``, or ``is_causal`` as above |
-| ``softcap`` (Gemma 2) | ``score_mod=mods.softcap(softcap)`` |
-| ``sliding_window`` | already in the mask whenever it removes a key (transformers always materialises the mask then); nothing more to do |
+| ``query (B, H, L, E)``, ``key``/``value (B, Hkv, S, E or Ev)`` | the same; ``enable_gqa`` when ``Hkv < H`` |
+| ``attention_mask``, float (added) or bool (``True`` = takes part) | ``attn_mask`` |
+| ``attention_mask=None`` | ``is_causal = L > 1 and module.is_causal`` |
+| ``scaling`` (``None``: ``1 / sqrt(E)``) | ``scale`` |
+| ``is_causal`` | overrides ``module.is_causal`` |
 | ``dropout`` | ``dropout_p``, only while ``module.training`` |
+| ``softcap`` (Gemma 2) | ``score_mod=mods.softcap(softcap)``, before the mask |
+| ``s_aux`` ``(H,)`` (gpt-oss, MiMo-V2, Granite-SWA, DeepSeek V4) | ``sinks=s_aux``; ``None``: no sink |
+| ``position_bias`` (T5's family) | added to the scores, with the mask |
+| ``sliding_window=W`` and a mask | nothing more: the mask holds the window |
+| ``sliding_window=W``, no mask, ``S > W`` | ``from_hf_sliding_window(W)``; raises if bidirectional |
+| ``output_attentions`` | the weights are returned |
+| ``indices``, ``block_indices``, ``sinks``, packed-varlen keywords, ``cache`` | raise unless ``None`` |
+| any other keyword | raises, unless in `HARMLESS_KEYWORDS` |
+
+Of the refused: ``indices`` (DeepSeek V3.2, GLM-5) and ``block_indices``
+(MiniMax-M3) select the keys of top-k sparse attention, which attention_ref does
+not implement; ``sinks`` (Inkling) is a sink per query, where attention_ref has
+one per head; ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` describe
+packed sequences, which this adapter reads from the mask only; ``cache`` is a
+paged cache the attention function would have to update. A sliding window on a
+bidirectional layer without a mask is refused because transformers' own paths
+count it differently there (``|i - j| <= W`` in its masks, ``< W`` in
+FlashAttention's). Where a mask is given, transformers' mask functions put the
+window in it whenever it removes a key, and eager reads only the mask.
 
 The output is returned as transformers expects, ``(B, L, H, Ev)``, with the
-weights ``(B, H, L, S)`` when ``output_attentions`` is requested.
+weights ``(B, H, L, S)`` when ``output_attentions`` is requested or
+`record_weights` is active.
 
 ``transformers`` is an optional dependency (the ``hf`` extra); importing
 ``attention_ref`` never needs it, this module imports it on first use.
@@ -48,12 +80,46 @@ from typing import Any
 import torch
 
 from attention_ref import mods
+from attention_ref.conventions import from_hf_sliding_window
 from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.masks import combine_masks
 
-__all__ = ["DEFAULT_NAME", "attention_forward", "record_weights", "register"]
+__all__ = ["DEFAULT_NAME", "HARMLESS_KEYWORDS", "attention_forward", "record_weights", "register"]
 
 #: The name `register` uses unless told otherwise.
 DEFAULT_NAME = "attention_ref"
+
+#: Keywords transformers passes to attention functions that cannot change the result: accepted
+#: and not used, each with the reason. Anything neither implemented nor listed here raises.
+HARMLESS_KEYWORDS: dict[str, str] = {
+    "position_ids": "already rotated into query and key; packing comes in the mask",
+    "position_embeddings": "the (cos, sin) pair, already applied to query and key",
+    "cache_position": "the layer updated the cache already: key and value hold it",
+    "past_key_values": "the layer updated the cache already: key and value hold it",
+    "past_key_value": "the layer updated the cache already: key and value hold it",
+    "use_cache": "whether the layer keeps a cache: decided already",
+    "encoder_hidden_states": "what key and value were computed from (BERT's family)",
+    "layer_idx": "the layer's index, for caches and messages",
+    "output_hidden_states": "what the model returns, not what attention computes",
+    "output_router_logits": "what the model returns, not what attention computes",
+    "return_dict": "what the model returns, not what attention computes",
+    "num_items_in_batch": "the loss's normaliser, not used by attention",
+}
+
+# Keywords that change attention and that this module does not implement: accepted only as None.
+_REFUSED = {
+    "indices": "DeepSeek V3.2's top-k sparse attention (each query attends only to the keys its indexer "
+    "chose): attention_ref does not implement top-k sparse attention yet",
+    "block_indices": "MiniMax-M3's block-sparse attention (each query attends only to the key blocks its "
+    "indexer chose): attention_ref does not implement block-sparse top-k attention yet",
+    "sinks": "one sink logit per query (Inkling): attention_ref's sinks are one logit per head",
+    "cu_seq_lens_q": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
+    "cu_seq_lens_k": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
+    "max_length_q": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
+    "max_length_k": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
+    "seq_idx": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
+    "cache": "a paged cache (continuous batching), which the attention function must update itself",
+}
 
 _recording = threading.local()
 
@@ -68,42 +134,122 @@ def _transformers() -> Any:
     return transformers
 
 
+def _where(module: torch.nn.Module) -> str:
+    return f"{type(module).__name__} (layer_idx={getattr(module, 'layer_idx', None)})"
+
+
+def _check_keywords(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise for a keyword that would change the result and is not implemented."""
+    for name, value in kwargs.items():
+        if name in HARMLESS_KEYWORDS or name == "output_attentions":
+            continue
+        if name in _REFUSED:
+            if value is None:
+                continue
+            raise NotImplementedError(
+                f"attention_ref.hf: {_where(module)} passed {name}=..., which changes attention: "
+                f"{_REFUSED[name]}. Refusing rather than computing without it."
+            )
+        raise NotImplementedError(
+            f"attention_ref.hf: {_where(module)} passed the keyword {name!r} ({type(value).__name__}), which "
+            "attention_ref.hf does not know. It may change attention, so it is refused rather than ignored "
+            "(the keywords known to change nothing: attention_ref.hf.HARMLESS_KEYWORDS)."
+        )
+
+
+def _check_not_packed(module: torch.nn.Module, position_ids: Any, L: int) -> None:
+    """A batch whose positions restart within a row is packed; without a mask nothing separates its sequences."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != L or L < 2:
+        return
+    if bool((position_ids.diff(dim=-1) != 1).any()):
+        raise NotImplementedError(
+            f"attention_ref.hf: {_where(module)} got position_ids that restart within a row (packed sequences) "
+            "and no attention_mask: nothing tells which keys belong to which sequence. Pass a mask that "
+            "separates them (transformers builds one from position_ids when no cache is used)."
+        )
+
+
+def _window(module: torch.nn.Module, sliding_window: int, causal: bool, L: int, S: int) -> mods.MaskMod:
+    """The window transformers would have put in the mask, for a call that came without one."""
+    if not causal:
+        raise NotImplementedError(
+            f"attention_ref.hf: {_where(module)} passed sliding_window={sliding_window} on a bidirectional layer "
+            f"with no attention_mask and {S} keys: transformers' mask functions keep |i - j| <= W there and "
+            "its FlashAttention path |i - j| < W; pass a mask that holds the window."
+        )
+    # Without a mask the causal rule is top-left when L > 1 (query i at position i); a single query
+    # is the newest token, at position S - 1.
+    return from_hf_sliding_window(int(sliding_window), offset=S - 1 if L == 1 else 0)
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    *,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
     softcap: float | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention function `register` gives transformers: one layer through the reference.
 
     Args:
-        module: the transformers attention layer (read: ``is_causal``, ``training``).
+        module: the transformers attention layer (read: ``is_causal``,
+            ``training``; its class and ``layer_idx`` name it in errors).
         query: ``(B, H, L, E)``.
         key: ``(B, Hkv, S, E)``, ``H`` a multiple of ``Hkv``.
         value: ``(B, Hkv, S, Ev)``.
-        attention_mask: bool ``(B, 1, L, S)`` (``True`` = takes part) or float
-            (added), or ``None``: then the causal rule applies when ``L > 1``
-            and the layer is causal, as in transformers' SDPA path.
+        attention_mask: float ``(B, 1, L, S)``, added to the scores (what
+            ``eager_mask`` builds), or bool (``True`` = takes part), or ``None``:
+            then the causal rule applies when ``L > 1`` and the layer is causal,
+            as in transformers' SDPA path.
         dropout: dropout probability, applied only while ``module.training``.
         scaling: the score scale (``None``: ``1 / sqrt(E)``).
         is_causal: overrides ``module.is_causal`` when given.
-        softcap: logit soft-capping (Gemma 2), as ``mods.softcap``.
-        **kwargs: the rest of what transformers passes (``sliding_window``,
-            ``position_ids``, ...): encoded in ``attention_mask`` already.
+        softcap: logit soft-capping (Gemma 2), as ``mods.softcap``, applied to
+            the scaled scores before the mask.
+        sliding_window: ``W`` keys, the current one included (transformers'
+            convention). With a mask, the mask already holds it; without one
+            and more than ``W`` keys, it is applied (causal layers) or refused.
+        s_aux: learned attention sinks ``(H,)``, one logit per query head
+            (gpt-oss): ``sinks=`` of `attention_ref.scaled_dot_product_attention`;
+            ``None``: no sink.
+        position_bias: a float bias broadcastable to ``(B, H, L, S)`` added to
+            the scaled scores (T5's relative positions), combined with the mask.
+        **kwargs: ``output_attentions`` (return the weights), the keywords of
+            `HARMLESS_KEYWORDS`, and keywords refused unless ``None``.
 
     Returns:
         ``(output (B, L, H, Ev), weights (B, H, L, S) or None)``; the weights
-        when `record_weights` is active or ``output_attentions`` is requested.
+        when `record_weights` is active or ``output_attentions`` is requested
+        (with sinks, rows sum to less than 1).
+
+    Raises:
+        NotImplementedError: a keyword that would change the result and is not
+            implemented (``indices``, packed-varlen keywords, a paged
+            ``cache``, any unknown keyword), or a sliding window this function
+            cannot place; the message names the keyword, the layer's class and
+            its ``layer_idx``.
     """
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    causal = query.shape[-2] > 1 and attention_mask is None and causal
-    want_weights = bool(getattr(_recording, "sinks", None)) or bool(kwargs.get("output_attentions", False))
+    _check_keywords(module, kwargs)
+    L, S = query.shape[-2], key.shape[-2]
+    layer_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    window = None
+    if attention_mask is None:
+        _check_not_packed(module, kwargs.get("position_ids"), L)
+        if sliding_window is not None and S > sliding_window:
+            window = _window(module, sliding_window, layer_causal, L, S)
+    causal = L > 1 and attention_mask is None and layer_causal
+    if position_bias is not None:  # one float mask: the bias, plus 0 / -inf (bool) or the float mask
+        attention_mask = combine_masks(position_bias, attention_mask)
+    want_weights = bool(getattr(_recording, "lists", None)) or bool(kwargs.get("output_attentions", False))
     result = scaled_dot_product_attention(
         query, key, value, attention_mask,
         is_causal=causal,
@@ -111,22 +257,34 @@ def attention_forward(
         dropout_p=float(dropout) if module.training else 0.0,
         enable_gqa=key.shape[-3] != query.shape[-3],
         score_mod=mods.softcap(float(softcap)) if softcap is not None else None,
+        mask_mod=window,
+        sinks=s_aux,
         return_weights=want_weights,
     )
     output, weights = result if want_weights else (result, None)
     if weights is not None:
-        for sink in getattr(_recording, "sinks", []):
-            sink.append(weights.detach())
+        for captured in getattr(_recording, "lists", []):
+            captured.append(weights.detach())
     return output.transpose(1, 2).contiguous(), weights  # (B, H, L, Ev) -> (B, L, H, Ev)
 
 
+def _builtin_names(transformers: Any) -> set[str]:
+    """transformers' own implementations: ``"eager"`` (each model's default, in no registry) and
+    every name its ``AttentionInterface`` maps to one of transformers' own functions."""
+    mapping = transformers.AttentionInterface._global_mapping  # the registry register() writes to
+    ours = {name for name, fn in mapping.items() if getattr(fn, "__module__", "").startswith("transformers.")}
+    return {"eager"} | ours
+
+
 def register(name: str = DEFAULT_NAME) -> str:
-    """Register `attention_forward` and transformers' ``sdpa_mask`` under ``name``.
+    """Register `attention_forward` and transformers' ``eager_mask`` under ``name``.
 
     Afterwards ``model.set_attn_implementation(name)`` (or
     ``from_pretrained(..., attn_implementation=name)``) runs every attention
     layer of a transformers model through `attention_ref.scaled_dot_product_attention`.
-    Registering twice is harmless.
+    Registering twice is harmless. transformers' registry is global: registering
+    under ``"sdpa"`` would replace transformers' SDPA for every model of the
+    process, so the names of its own implementations are refused.
 
     Args:
         name: the implementation's name.
@@ -136,15 +294,34 @@ def register(name: str = DEFAULT_NAME) -> str:
 
     Raises:
         TypeError: ``name`` not a non-empty string.
+        ValueError: ``name`` is one of transformers' implementations (``"eager"``,
+            ``"sdpa"``, ``"flash_attention_2"``, ``"flex_attention"``, ...), contains
+            ``"flash"``, ``"sdpa"`` or ``"flex_attention"`` (transformers then applies
+            that implementation's checks and code paths), starts with ``"paged|"``, or
+            reads as a kernel on the Hub (``"org/repo"``).
         ImportError: transformers is not installed.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     transformers = _transformers()
-    from transformers.masking_utils import sdpa_mask
+    builtin = _builtin_names(transformers)
+    if name in builtin:
+        raise ValueError(
+            f"name {name!r} is transformers' own attention implementation; registering it would replace it "
+            f"for every model of the process. Pick another name (transformers' own: {sorted(builtin)})"
+        )
+    # transformers reads these in a name: "flash", "sdpa" and "flex_attention" anywhere switch a model
+    # to that implementation's checks and code paths, "paged|" is a prefix it strips, "org/repo" a Hub kernel.
+    if any(part in name for part in ("flash", "sdpa", "flex_attention", "/")) or name.startswith("paged|"):
+        raise ValueError(
+            f"name {name!r} means something to transformers: a name containing 'flash', 'sdpa' or "
+            "'flex_attention' switches models to that implementation's checks and code paths, 'paged|' is a "
+            "prefix it strips, 'org/repo' a kernel on the Hub. Pick another name"
+        )
+    from transformers.masking_utils import eager_mask
 
     transformers.AttentionInterface.register(name, attention_forward)
-    transformers.AttentionMaskInterface.register(name, sdpa_mask)
+    transformers.AttentionMaskInterface.register(name, eager_mask)  # the mask eager gets: see the module docstring
     return name
 
 
@@ -154,19 +331,20 @@ def record_weights() -> Iterator[list[torch.Tensor]]:
 
     Yields:
         A list that receives, per attention call, the ``(B, H, L, S)``
-        weights the output was computed from (detached). A forward pass of an
+        weights the output was computed from (detached; with sinks, as
+        gpt-oss's, each row sums to less than 1). A forward pass of an
         ``n``-layer model appends ``n`` tensors; ``generate`` appends ``n`` per step.
 
     Example:
         ``with record_weights() as weights: model(input_ids)`` then
         ``weights[layer]`` is that layer's ``(B, H, L, L)``.
     """
-    sinks = getattr(_recording, "sinks", None)
-    if sinks is None:
-        sinks = _recording.sinks = []
+    lists = getattr(_recording, "lists", None)
+    if lists is None:
+        lists = _recording.lists = []
     captured: list[torch.Tensor] = []
-    sinks.append(captured)
+    lists.append(captured)
     try:
         yield captured
     finally:
-        sinks.remove(captured)
+        lists.remove(captured)

@@ -1,0 +1,383 @@
+"""The attention of 2025-26 transformers architectures, through attention_ref.hf, equals eager's.
+
+Each model is built from a tiny config (hidden size 32-64, two to six layers, random weights,
+no download, float32). Its windows and chunks are shorter than the 13-token prompts, so each
+of them removes keys. With attention_ref registered, the logits equal transformers' own
+``eager`` attention within 1e-5 of their size, on a left-padded batch and on an unpadded one
+(no ``attention_mask`` given), and greedy generation of 8 tokens with transformers' KV cache
+gives identical tokens. They do too with transformers' SDPA masks (boolean, and ``None``
+where the causal rule suffices), the other path through the adapter. What each model brings:
+
+| model | what its attention passes or needs |
+| --- | --- |
+| gpt-oss | ``s_aux``: a learned sink per head, on sliding and full layers (random, nonzero) |
+| Llama 4 | chunked layers (mask) and NoPE layers |
+| Gemma 3 | 5 local : 1 global layers, ``scaling`` from ``query_pre_attn_scalar`` |
+| Qwen3 | ``sliding_window=None`` on full layers, q/k norms |
+| Qwen3-Next | its full-attention layers (gated), between linear-attention layers |
+| DeepSeek V3 | MLA: query/key size 24, value size 16 (``E != Ev``) |
+| MiniMax-M2 | q/k norms over all heads, partial rotary |
+| T5 | ``position_bias`` in the encoder, the decoder and cross-attention |
+
+``test_every_decoder_equals_eager_or_refuses`` builds every causal LM of transformers from its
+default config with the sizes shrunk, and asserts that each one that calls ``AttentionInterface``
+either equals eager or raises: never a silent difference (about 10 s for some 190 architectures).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attention_ref import hf  # noqa: E402
+
+NAME = hf.register()
+BOOL = "attention_ref_boolean_mask"  # the same attention function, with transformers' SDPA mask function
+transformers.AttentionInterface.register(BOOL, hf.attention_forward)
+transformers.AttentionMaskInterface.register(BOOL, transformers.masking_utils.sdpa_mask)
+PAD = 0
+VOCAB = 101
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+              pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+
+
+def _sharpen(model):
+    """Random weights 3x the init's, so the attention is peaked and every mask, window and sink matters."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return model
+
+
+def _gpt_oss(**over):
+    config = transformers.GptOssConfig(**{**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                          "sliding_window": 4,
+                                          "layer_types": ["sliding_attention", "full_attention"], **over})
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():  # the init draws sinks near 0: make them matter, with both signs
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor([2.0, -1.0, 0.5, 3.0]))
+    return model
+
+
+def _llama4(**over):
+    config = transformers.Llama4TextConfig(**{**COMMON, "intermediate_size_mlp": 64, "num_local_experts": 2,
+                                              "attention_chunk_size": 4, "no_rope_layer_interval": 2,
+                                              "floor_scale": 4, **over})
+    assert config.layer_types == ["chunked_attention", "full_attention"] and config.no_rope_layers == [1, 0]
+    return transformers.Llama4ForCausalLM(config)
+
+
+def _gemma3(**over):
+    config = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6, "hidden_size": 32,
+                                              "sliding_window": 4, "query_pre_attn_scalar": 24, **over})
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    return transformers.Gemma3ForCausalLM(config)
+
+
+def _qwen3():
+    config = transformers.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def _qwen3_next():
+    config = transformers.Qwen3NextConfig(**COMMON, layer_types=["linear_attention", "full_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                                          linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return transformers.Qwen3NextForCausalLM(config)
+
+
+def _deepseek_v3():
+    config = transformers.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4, "head_dim": 8}, n_routed_experts=4,
+                                           num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                           moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
+                                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+def _minimax_m2():
+    config = transformers.MiniMaxM2Config(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MiniMaxM2ForCausalLM(config)
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+
+
+def _mistral(**over):
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**{**COMMON, "sliding_window": 4, **over}))
+
+
+def _gemma2():
+    config = transformers.Gemma2Config(**COMMON, sliding_window=4, attn_logit_softcapping=5.0,
+                                       final_logit_softcapping=None, query_pre_attn_scalar=16)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+DECODERS = {"gpt-oss": _gpt_oss, "llama4": _llama4, "gemma3": _gemma3, "qwen3": _qwen3, "qwen3-next": _qwen3_next,
+            "deepseek-v3": _deepseek_v3, "minimax-m2": _minimax_m2, "llama": _llama, "mistral": _mistral,
+            "gemma2": _gemma2}
+
+
+def _build(make):
+    torch.manual_seed(0)
+    return _sharpen(make()).eval()
+
+
+def _batch(padded: bool, length: int = 13):
+    ids = torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :4] = PAD  # left padding, as for generation
+        mask[1, :4] = 0
+    return ids, mask
+
+
+def _logits(model, impl, **inputs):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def _gap(ours, eager, real):
+    """max |ours - eager| over the real tokens, relative to max |eager|."""
+    return ((ours[real] - eager[real]).abs().max() / eager[real].abs().max()).item()
+
+
+@pytest.fixture(scope="module", params=list(DECODERS))
+def decoder(request):
+    return _build(DECODERS[request.param])
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+def test_logits_equal_eager(decoder, padded):
+    ids, mask = _batch(padded)
+    eager = _logits(decoder, "eager", input_ids=ids, attention_mask=mask)
+    ours = _logits(decoder, NAME, input_ids=ids, attention_mask=mask if padded else None)
+    assert _gap(ours, eager, mask.bool()) < 1e-5
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+def test_logits_equal_eager_with_sdpas_boolean_masks(decoder, padded):
+    """register() hands over eager's float masks; the boolean ones (or None) give the same logits."""
+    ids, mask = _batch(padded)
+    eager = _logits(decoder, "eager", input_ids=ids, attention_mask=mask)
+    ours = _logits(decoder, BOOL, input_ids=ids, attention_mask=mask if padded else None)
+    assert _gap(ours, eager, mask.bool()) < 1e-5
+
+
+def test_greedy_generation_gives_identical_tokens(decoder):
+    ids, mask = _batch(True)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    decoder.set_attn_implementation("eager")
+    eager = decoder.generate(input_ids=ids, attention_mask=mask, **kw)
+    decoder.set_attn_implementation(NAME)
+    ours = decoder.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(ours, eager)
+
+
+def test_gpt_oss_sinks_matter_and_the_weights_keep_them():
+    """Without its sinks gpt-oss's logits move far; the recorded weights are the sink-renormalised ones."""
+    model = _build(_gpt_oss)
+    ids, mask = _batch(True)
+    real = mask.bool()
+    eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+    with hf.record_weights() as weights:
+        ours = _logits(model, NAME, input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))  # -inf: no sink
+    sinkless = _logits(model, NAME, input_ids=ids, attention_mask=mask)
+    assert _gap(ours, eager, real) < 1e-5 and _gap(sinkless, eager, real) > 1e-2
+    sums = weights[0].sum(dim=-1)  # (B, H, L)
+    assert (sums[0] < 1 - 1e-3).all()  # every real row gives mass to the sink
+
+
+def test_the_windows_and_chunks_remove_keys():
+    """The prompts are longer than every window and chunk: widen one and the logits move."""
+    ids, _ = _batch(False)
+    for make, field in ((_mistral, "sliding_window"), (_gemma3, "sliding_window"), (_llama4, "attention_chunk_size")):
+        narrow = _logits(_build(make), NAME, input_ids=ids)
+        wide = _logits(_build(functools.partial(make, **{field: 64})), NAME, input_ids=ids)
+        assert (narrow - wide).abs().max() > 1e-3, field
+
+
+# --- T5: relative position bias in three places -----------------------------------------------
+
+
+def _t5():
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                   dropout_rate=0.0, pad_token_id=PAD, eos_token_id=2, decoder_start_token_id=PAD)
+    torch.manual_seed(0)
+    return _sharpen(transformers.T5ForConditionalGeneration(config)).eval()
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_t5_logits_equal_eager(padded):
+    model = _t5()
+    ids, mask = _batch(padded)
+    decoder_ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    inputs = dict(input_ids=ids, attention_mask=mask if padded else None, decoder_input_ids=decoder_ids)
+    eager = _logits(model, "eager", **inputs)
+    ours = _logits(model, NAME, **inputs)
+    assert _gap(ours, eager, torch.ones_like(decoder_ids, dtype=torch.bool)) < 1e-5
+
+
+def test_t5_generation_gives_identical_tokens():
+    model = _t5()
+    ids, mask = _batch(True)
+    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    model.set_attn_implementation("eager")
+    eager = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    model.set_attn_implementation(NAME)
+    ours = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(ours, eager)
+
+
+# --- every decoder of transformers ------------------------------------------------------------
+
+# Sizes for any config that has the field: small enough to build every decoder in a second.
+SMALL = dict(
+    COMMON,
+    # mixtures of experts
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, expert_intermediate_size=32,
+    expert_ffn_hidden_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=1, zero_expert_num=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+    attn_layer_period=2, attn_layer_offset=1,  # Jamba: attention in every second layer
+    index_topk=4,  # DeepSeek V3.2's sparse attention: 4 of the 13 keys
+    # multi-head latent attention: query/key size 24, value size 16
+    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    # windows and chunks, shorter than the 13-token prompt
+    sliding_window=4, attention_chunk_size=4, window_size=4,
+    is_decoder=True,  # BERT's family: a causal LM only as a decoder
+    # the older names of the same sizes (GPT-2, BART, XLM, ...)
+    n_embd=64, n_layer=2, n_head=4, n_positions=128, n_ctx=128, d_model=64, num_layers=2, num_heads=4,
+    decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=2, encoder_attention_heads=4,
+    encoder_ffn_dim=64, ffn_dim=64, rotary_dim=8, emb_dim=64, n_layers=2,
+    # per-layer embeddings, character embeddings, linear-attention heads of hybrids
+    vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, shape_embed_dim=16, pronunciation_embed_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+)
+
+
+def _tiny_config(model_type: str):
+    """The default config of ``model_type``, every size in `SMALL` it has shrunk.
+
+    A default ``layer_types`` pattern is cut to its shortest prefix holding every kind of layer
+    (Gemma 3's 5 local : 1 global keeps 6 layers, Qwen3-Next's 3 linear : 1 full keeps 4).
+    """
+    cls = transformers.CONFIG_MAPPING[model_type]
+    default = cls()
+    if default.sub_configs:
+        raise LookupError("a composite config (text with vision or audio): its text model is swept on its own")
+    fields = set(default.to_dict())
+    kw = {k: v for k, v in SMALL.items() if k in fields}
+    if "qk_rope_head_dim" in fields:  # MLA: head_dim is the rotary part, one key/value head per query head
+        kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=kw["num_attention_heads"])
+    types = getattr(default, "layer_types", None)
+    if isinstance(types, list) and types and not isinstance(getattr(cls, "layer_types", None), property):
+        n = max(types.index(t) for t in set(types)) + 1
+        kw["layer_types"] = types[:n] if n > 1 else types[:1] * 2
+        kw["num_hidden_layers"] = len(kw["layer_types"])
+    return cls(**kw)
+
+
+def _decoders():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+class _Counting:
+    """attention_ref.hf's function, counting its calls: a model that never calls it does not route through it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return hf.attention_forward(*args, **kwargs)
+
+
+def _sweep_one(model_type: str, class_name: str, counting: _Counting, name: str) -> tuple[str, str]:
+    """``(outcome, detail)``: ``equal``, ``refused`` (NotImplementedError), ``error`` (another exception of
+    ours), ``differs`` (the silent failure), or why it was not compared: ``skipped``, ``no attention``."""
+    try:
+        config = _tiny_config(model_type)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in getattr(transformers, class_name)(config).parameters())
+        if size > 5e7:
+            return "skipped", f"{size / 1e6:.0f}M parameters with the shrunk config"
+        torch.manual_seed(0)
+        model = _sharpen(getattr(transformers, class_name)(config)).eval()
+        ids, mask = _batch(True)
+        eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+    except Exception as error:  # a tiny config this architecture does not accept, or eager itself fails
+        return "skipped", f"not built: {type(error).__name__}: {str(error)[:120]}"
+    counting.calls = 0
+    try:
+        gaps = []
+        for padded in (True, False):
+            ids, mask = _batch(padded)
+            eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+            ours = _logits(model, name, input_ids=ids, attention_mask=mask if padded else None)
+            gaps.append(_gap(ours, eager, mask.bool()))
+    except NotImplementedError as error:
+        return "refused", str(error)[:200]
+    except Exception as error:
+        return "error", f"{type(error).__name__}: {str(error)[:200]}"
+    if counting.calls == 0:
+        return "no attention", "never calls AttentionInterface"
+    return ("equal" if max(gaps) < 1e-5 else "differs"), f"gap {max(gaps):.1e}"
+
+
+def test_every_decoder_equals_eager_or_refuses():
+    """Every causal LM of transformers: equal to eager, or an error. Never a silent difference."""
+    counting = _Counting()
+    name = "attention_ref_counting"
+    transformers.AttentionInterface.register(name, counting)
+    transformers.AttentionMaskInterface.register(name, transformers.AttentionMaskInterface()[NAME])
+    outcomes: dict[str, tuple[str, str]] = {}
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' deprecation notices while building old architectures
+        for model_type, class_name in sorted(_decoders().items()):
+            outcomes[model_type] = _sweep_one(model_type, class_name, counting, name)
+    for model_type, (outcome, detail) in outcomes.items():
+        print(f"{model_type:28} {outcome:13} {detail}")
+    counts = {o: sum(1 for v in outcomes.values() if v[0] == o) for o in {v[0] for v in outcomes.values()}}
+    print(counts, f"{time.perf_counter() - start:.0f} s")
+    differs = {m: d for m, (o, d) in outcomes.items() if o == "differs"}
+    assert not differs, f"silently different from eager: {differs}"
+    assert counts.get("equal", 0) >= 100  # the sweep compared most of them, it did not skip its way to a pass
+
+
+def test_deepseek_v4_gets_the_mask_eager_gets():
+    """DeepSeek V4 appends its compressed keys' bias with ``.to(mask.dtype)``: a bool mask would be inverted."""
+    torch.manual_seed(0)
+    model = _sharpen(transformers.DeepseekV4ForCausalLM(_tiny_config("deepseek_v4"))).eval()
+    ids, mask = _batch(True)
+    eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+    ours = _logits(model, NAME, input_ids=ids, attention_mask=mask)
+    assert _gap(ours, eager, mask.bool()) < 1e-5
+    boolean = _logits(model, BOOL, input_ids=ids, attention_mask=mask)
+    assert _gap(boolean, eager, mask.bool()) > 1e-2
+
+
+def test_deepseek_v32_refuses_its_top_k_keys():
+    """V3.2 passes ``indices`` (the 4 keys each query keeps) to every implementation but eager and sdpa."""
+    torch.manual_seed(0)
+    model = _sharpen(transformers.DeepseekV32ForCausalLM(_tiny_config("deepseek_v32"))).eval()
+    ids, mask = _batch(True)
+    with pytest.raises(NotImplementedError, match=r"DeepseekV32Attention \(layer_idx=0\) passed indices=.*top-k"):
+        _logits(model, NAME, input_ids=ids, attention_mask=mask)
