@@ -107,7 +107,9 @@ CPU_MODS_TILED_MIN_SKIPPED = 0.4
 #: Whether the Triton kernel's tests (``tests/test_triton_flash.py``, bfloat16 and large
 #: shapes included) and the GPU benchmark (Triton at least as fast as torch's flash backend)
 #: have passed on a real GPU. Until then ``"auto"`` never picks the kernel: it is reached
-#: only with ``backend="triton"``. No GPU run has happened yet, so it is False.
+#: only with ``backend="triton"``. The first GPU run (H100, 2026-11-26, notes/triton.md) found
+#: and fixed a backward bug of the TMA option; the kernel's CUDA tests have not passed in full
+#: since, so it is False.
 TRITON_VERIFIED_ON_GPU = False
 
 #: Head sizes the Triton kernel is verified for.
