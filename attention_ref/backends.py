@@ -27,9 +27,9 @@ and give output 0 for a query row that no key may attend to.
    (``TRITON_VERIFIED_ON_GPU``), is installed and supports the call (no
    dropout, a key-padding mask or none, mods it implements, ``E == Ev`` in
    16..128, float16/bfloat16/float32). In this release
-   ``TRITON_VERIFIED_ON_GPU`` is False: the kernel has only run under Triton's
-   interpreter, so ``"auto"`` never picks it and it runs only when asked for
-   by name;
+   ``TRITON_VERIFIED_ON_GPU`` is False: its CUDA tests have not all passed
+   on a GPU yet (notes/triton.md), so ``"auto"`` never picks it and it runs
+   only when asked for by name;
 3. a ``score_mod`` or a ``mask_mod`` (measured on CPU with
    ``benchmarks/block_sparse_bench.py``, see ``CPU_MODS_TILED_MIN_LENGTH``):
    on CPU without dropout, ``"tiled"`` for a ``score_mod`` at ``max(L, S) >=
