@@ -159,27 +159,36 @@ def from_hf_sliding_window(window: int, *, offset: int = 0) -> mods.MaskMod:
     return mods.sliding_window(window - 1, 0, offset=offset)
 
 
-def from_flash_attn_window(window_size: Sequence[int], L: int, S: int, *, causal: bool = False) -> mods.MaskMod:
+def from_flash_attn_window(
+    window_size: Sequence[int], L: int, S: int, *, causal: bool = False, sink_token_length: int = 0
+) -> mods.MaskMod:
     """FlashAttention's ``window_size=(left, right)``: ``sliding_window(left, right, offset=S - L)``.
 
     ``flash_attn_func`` keeps key ``j`` for query ``i`` when
     ``i + S - L - left <= j <= i + S - L + right``, both ends inclusive and
     aligned bottom-right (the last query is the last key); ``-1`` leaves that
     side unbounded. ``causal=True`` sets ``right`` to 0, as FlashAttention does.
+    ``sink_token_length=n`` keeps keys ``j < n`` past the window's left end (not
+    its right one), as the ``construct_local_mask`` of FlashAttention's test
+    references does (StreamingLLM's sink tokens): ``sliding_window(...,
+    sink_tokens=n)``.
 
     Args:
         window_size: ``(left, right)``, each an int ``>= -1``; ``-1`` = unbounded.
         L: query length.
         S: key length.
         causal: FlashAttention's ``causal`` flag, used together with the window.
+        sink_token_length: the number of first keys kept outside the window's
+            left end, ``>= 0``.
 
     Returns:
         ``mask_mod(b, h, q_idx, kv_idx)``.
 
     Raises:
         TypeError: ``window_size`` not a pair of ints; ``L`` or ``S`` not an int;
-            ``causal`` not a bool.
-        ValueError: a ``window_size`` entry below -1; a negative ``L`` or ``S``.
+            ``causal`` not a bool; ``sink_token_length`` not an int.
+        ValueError: a ``window_size`` entry below -1; a negative ``L``, ``S``
+            or ``sink_token_length``.
 
     Examples:
         >>> from attention_ref.mods import create_mask
@@ -204,7 +213,7 @@ def from_flash_attn_window(window_size: Sequence[int], L: int, S: int, *, causal
     left, right = (None if w == -1 else w for w in window_size)
     if causal:
         right = 0
-    return mods.sliding_window(left, right, offset=offset)
+    return mods.sliding_window(left, right, offset=offset, sink_tokens=sink_token_length)
 
 
 def from_flash_attn_causal(L: int, S: int) -> mods.MaskMod:

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from attention_ref import attention_weights, mods, scaled_dot_product_attention
+from attention_ref import attention_weights, conventions, mods, scaled_dot_product_attention
 
 B, H, HKV, L, S, E, EV = 2, 6, 3, 5, 7, 11, 13
 FLEX_UNFUSED = "ignore:flex_attention called without torch.compile:UserWarning"
@@ -120,6 +120,9 @@ def test_sink_tokens_are_flash_attentions_sink_token_length(Lq, Sk, left, right,
     ours = mods.sliding_window(None if left < 0 else left, right, offset=Sk - Lq, sink_tokens=sink_tokens)
     expected = ~_flash_attn_local_mask(Lq, Sk, (left, right), sink_token_length=sink_tokens)
     assert torch.equal(mods.create_mask(ours, None, None, Lq, Sk)[0, 0], expected)
+    # the same through the conventions function, in FlashAttention's own words
+    theirs = conventions.from_flash_attn_window((left, right), Lq, Sk, sink_token_length=sink_tokens)
+    assert torch.equal(mods.create_mask(theirs, None, None, Lq, Sk)[0, 0], expected)
 
 
 def test_describe_records_sink_tokens():
