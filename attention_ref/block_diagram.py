@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_ref._validation import fmt_shape
-from attention_ref.diagrams import _Canvas, _dims, _int, _shape
+from attention_ref.diagrams import _Canvas, _dims, _int, _self_attention_input
 from attention_ref.multihead import MultiHeadAttention
 
 __all__ = ["transformer_block"]
@@ -65,18 +64,8 @@ def transformer_block(attention: MultiHeadAttention, x: torch.Tensor, *, mlp_wid
         >>> "L × d = 5 × 16" in svg and "16 → 64 → 16" in svg
         True
     """
-    if not isinstance(attention, MultiHeadAttention):
-        raise TypeError(
-            f"attention must be an attention_ref.MultiHeadAttention, got {type(attention).__name__}")
+    shape = _self_attention_input("attention", attention, x)
     d, H = attention.embed_dim, attention.num_heads
-    if attention.kdim != d or attention.vdim != d:
-        raise ValueError(
-            f"attention must be a self-attention module (kdim == vdim == embed_dim={d}), "
-            f"got kdim={attention.kdim}, vdim={attention.vdim}")
-    shape = _shape("x", x, 2, "(B, L, d)")
-    if len(shape) > 3 or shape[-1] != d:
-        raise ValueError(
-            f"x must have shape (B, L, d) or (L, d) with d = embed_dim = {d}, got {fmt_shape(shape)}")
     width = _int("mlp_width", mlp_width, 1)
     L = shape[-2]
     heads = "1 head" if H == 1 else f"{H} heads"

@@ -457,6 +457,21 @@ def qkv_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 # --- 3. multi-head attention ------------------------------------------------------------------
 
 
+def _self_attention_input(name: str, module: object, x: object) -> tuple[int, ...]:
+    """Check a self-attention `MultiHeadAttention` and its input ``x`` ``(B, L, d)`` or ``(L, d)``; x's shape."""
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(f"{name} must be an attention_ref.MultiHeadAttention, got {type(module).__name__}")
+    d = module.embed_dim
+    if module.kdim != d or module.vdim != d:
+        raise ValueError(
+            f"{name} must be a self-attention module (kdim == vdim == embed_dim={d}), "
+            f"got kdim={module.kdim}, vdim={module.vdim}")
+    shape = _shape("x", x, 2, "(B, L, d)")
+    if len(shape) > 3 or shape[-1] != d:
+        raise ValueError(f"x must have shape (B, L, d) or (L, d) with d = embed_dim = {d}, got {fmt_shape(shape)}")
+    return shape
+
+
 def multihead_flow(module: MultiHeadAttention, x: torch.Tensor) -> str:
     """Split heads, attend per head, concatenate, project: multi-head self-attention of ``x``.
 
@@ -485,16 +500,8 @@ def multihead_flow(module: MultiHeadAttention, x: torch.Tensor) -> str:
         >>> "H = 4" in svg and "L × d = 5 × 16" in svg
         True
     """
-    if not isinstance(module, MultiHeadAttention):
-        raise TypeError(f"module must be an attention_ref.MultiHeadAttention, got {type(module).__name__}")
+    shape = _self_attention_input("module", module, x)
     d, H, Hkv, D = module.embed_dim, module.num_heads, module.num_kv_heads, module.head_dim
-    if module.kdim != d or module.vdim != d:
-        raise ValueError(
-            f"module must be a self-attention module (kdim == vdim == embed_dim={d}), "
-            f"got kdim={module.kdim}, vdim={module.vdim}")
-    shape = _shape("x", x, 2, "(B, L, d)")
-    if len(shape) > 3 or shape[-1] != d:
-        raise ValueError(f"x must have shape (B, L, d) or (L, d) with d = embed_dim = {d}, got {fmt_shape(shape)}")
     L = shape[-2]
     batch = f", batch B = {shape[0]} not drawn" if len(shape) == 3 else ""
 

@@ -348,19 +348,28 @@ def assert_attention_close(
         quantities.append(_Quantity("lse", actual_lse, reference_lse / ln_base, low_lse / ln_base, dtype,
                                     "scalar", False, not_judged, overflowed))
 
-    verdicts = [_judge(q, factor, atol, bound) for q in quantities]
-    failures = [v for v in verdicts if v.failed]
-    if failures:
-        lines = [f"assert_attention_close: {len(failures)} of {len(verdicts)} quantities out of bounds",
-                 "  rule: " + _rule_text(bound)]
-        for verdict in failures:
-            lines += verdict.lines
+    verdicts, lines = _judge_all("assert_attention_close", quantities, factor, atol, bound)
+    if lines:
         if verdicts[0].failed:
             lines += _probe_lines(query, key, value, actual, kwargs, verdicts[0])
         lines.append("  config: " + _describe_config(query, key, value, attention_kwargs, factor, atol,
                                                      bound, layout, swap, lse_base if with_lse else None))
         raise AssertionError("\n".join(lines))
     return _report(bound, verdicts, not_judged, swap)
+
+
+def _judge_all(
+    check: str, quantities: list[_Quantity], factor: float, atol: float, bound: str
+) -> tuple[list[_Verdict], list[str]]:
+    """Every quantity's verdict, and the failure message's lines so far (none when all pass)."""
+    verdicts = [_judge(q, factor, atol, bound) for q in quantities]
+    failures = [v for v in verdicts if v.failed]
+    if not failures:
+        return verdicts, []
+    lines = [f"{check}: {len(failures)} of {len(verdicts)} quantities out of bounds", "  rule: " + _rule_text(bound)]
+    for verdict in failures:
+        lines += verdict.lines
+    return verdicts, lines
 
 
 # ---- the module check --------------------------------------------------------------------
@@ -522,13 +531,8 @@ def assert_module_close(
         for i, name in enumerate(input_names + ["d" + n for n in names]):
             kind = "query" if i < len(input_names) or name.endswith("weight") else "one"
             quantities.append(_Quantity(name, got[i], ref[i], base[i], dtype, kind))
-    verdicts = [_judge(q, factor, atol, bound) for q in quantities]
-    failures = [v for v in verdicts if v.failed]
-    if failures:
-        lines = [f"assert_module_close: {len(failures)} of {len(verdicts)} quantities out of bounds",
-                 "  rule: " + _rule_text(bound)]
-        for verdict in failures:
-            lines += verdict.lines
+    verdicts, lines = _judge_all("assert_module_close", quantities, factor, atol, bound)
+    if lines:
         lines.append(
             f"  config: {type(actual_module).__name__}(embed_dim={spec.embed_dim}, num_heads={spec.num_heads}, "
             f"kdim={spec.kdim}, vdim={spec.vdim}, bias={spec.bias}) in "
