@@ -23,14 +23,19 @@ query position for the output, ``dq`` and ``lse``; a key position for ``dk`` and
 ``dv``) its own allowance, from its own baseline error ``e_r = max_r|low - ref|``:
 
 ``max_r|actual - ref| <= factor * max(e_r, F_r) + atol``,
-``F_r = min(max(T, R * m_r), max_healthy e)``
+``F_r = min(max(T, R * m_r, U_r), max_healthy e)``
 
 where ``m_r = max_r|ref|`` is the row's magnitude and ``T`` and ``R`` are the
 90th percentiles of the healthy rows' ``e_r`` and ``e_r / m_r``. A row's ``e_r``
 is the largest of a few rounding errors, a noisy estimate (a baseline that rounds
 luckily on one row would demand the impossible there); the floor ``F_r`` is the
 typical error in absolute terms and at the row's scale, which a minority of bad
-rows cannot move, capped at the largest healthy ``e_r``. A row whose baseline is
+rows cannot move, capped at the largest healthy ``e_r``. ``U_r`` is the rounding
+any summation order may make on the row, ``sqrt(n) * u * sum|terms|`` with the
+terms' sizes from the exact weights (``u`` float32's unit roundoff, where kernels
+accumulate): a row whose exact value cancels to near 0, such as ``dq`` of a query
+that sees one key, can be off by that much in a right kernel however luckily the
+baseline's own order rounded it. A row whose baseline is
 *degenerate* (not finite, its scores overflowed, or off by a quarter of its own
 magnitude and by more than the typical row) has no estimate of its own: it is
 held to ``factor * F_r + atol`` alone, and the message says so. So no row is
@@ -68,7 +73,7 @@ from torch import nn
 
 from attention_ref import mods
 from attention_ref._inputs import expand_kv_heads
-from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.functional import attention_weights, scaled_dot_product_attention
 from attention_ref.masks import causal_mask
 from attention_ref.multihead import MultiHeadAttention
 
@@ -152,12 +157,14 @@ def assert_attention_close(
     with ``e_r = max_r|low_precision - ref|`` and ``m_r = max_r|ref|``:
 
     ``max_r|actual - ref| <= factor * max(e_r, F_r) + atol``,
-    ``F_r = min(max(T, R * m_r), max_healthy e)``,
+    ``F_r = min(max(T, R * m_r, U_r), max_healthy e)``,
 
     ``T`` and ``R`` the 90th percentiles of the healthy rows' ``e_r`` and
     ``e_r / m_r`` (a floor against a baseline that rounds luckily on one row,
     which a minority of bad rows cannot move, capped at the largest healthy
-    ``e_r``). A row whose baseline is degenerate (not finite, its scores
+    ``e_r``), ``U_r`` the rounding any summation order may make on the row
+    (``sqrt(n) * u * sum|terms|``, ``u`` float32's unit roundoff, float64's for
+    float64; the module docstring says how). A row whose baseline is degenerate (not finite, its scores
     overflowed the dtype, or ``e_r >= 0.25 * m_r`` and ``e_r`` above the rows'
     90th percentile) has no estimate of its own and is held to
     ``factor * F_r + atol``; with no healthy row the quantity cannot be judged
@@ -316,7 +323,9 @@ def assert_attention_close(
         low, low_lse, overflowed = _low_precision_attention(*leaves_low, **kwargs_low)
 
     not_judged = _rows_without_agreed_output(attention_kwargs, reference, dtype) if bound == "row" else None
-    quantities = [_Quantity("output", actual, reference, low, dtype, "query", swap, not_judged, overflowed)]
+    rounding = _rounding(query, key, value, grad_output if with_grads else None, kwargs64) if bound == "row" else {}
+    quantities = [_Quantity("output", actual, reference, low, dtype, "query", swap, not_judged, overflowed,
+                            rounding.get("output"))]
     if with_grads:
         assert grad_output is not None and actual_grads is not None
         if tuple(grad_output.shape) != tuple(reference.shape):
@@ -341,7 +350,8 @@ def assert_attention_close(
         names = ("dq", "dk", "dv", "dsinks")
         for i, got in enumerate(actual_grads):
             rows = ("query", "key", "key", "one")[i]
-            quantities.append(_Quantity(names[i], got, grads64[i], grads_low[i], dtype, rows, swap and i < 3))
+            quantities.append(_Quantity(names[i], got, grads64[i], grads_low[i], dtype, rows, swap and i < 3,
+                                        rounding=rounding.get(names[i])))
     if with_lse:
         assert actual_lse is not None and reference_lse is not None
         ln_base = math.log(lse_base)
@@ -617,6 +627,68 @@ def _low_precision_attention(
     return weights @ value, lse, overflowed  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
 
 
+def _rounding(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, grad_output: torch.Tensor | None,
+    kwargs64: dict[str, Any],
+) -> dict[str, torch.Tensor]:
+    """Per row, the rounding a right kernel may make in any summation order, in float64 from the exact weights.
+
+    The baseline's error estimates a kernel's on most rows, but not on a row whose
+    exact value cancels to near 0 (``dq`` of a query that sees one key): there the
+    baseline's order may be exact by luck. A sum of ``n`` terms rounds by about
+    ``sqrt(n) * u * sum|terms|`` (``u`` the unit roundoff of float32, where
+    kernels accumulate; float64's for float64), so each row gets that, with the
+    terms' magnitudes from the exact weights ``P``, conditioned by the scores'
+    own rounding (see the body), ``dP = dO @ V^T`` and ``D = rowsum(P * dP)``:
+    output ``P' @ |V|``, ``dq`` ``scale * A @ |K|``, ``dk`` ``scale * A^T @ |Q|``,
+    ``dv`` ``P'^T @ |dO|``, ``A = P' * (|dO| @ |V|^T + |D|)``, each row's
+    largest entry, ``n`` the keys (query rows) or the queries of the head group
+    (key rows).
+    """
+    q, k, v = (t.detach().to(torch.float64) for t in (query, key, value))
+    weights_kwargs = {n: kwargs64[n] for n in _ATTENTION_KWARGS if n in kwargs64}
+    if isinstance(weights_kwargs.get("sinks"), torch.Tensor):
+        weights_kwargs["sinks"] = weights_kwargs["sinks"].detach()
+    P = attention_weights(q, k, **weights_kwargs)  # (..., H, L, S)
+    gqa = bool(weights_kwargs.get("enable_gqa"))
+    k_all = expand_kv_heads(q, k, "key") if gqa else k  # (..., Hkv, S, E) -> (..., H, S, E)
+    v_all = expand_kv_heads(q, v, "value") if gqa else v  # (..., Hkv, S, Ev) -> (..., H, S, Ev)
+    scale = weights_kwargs.get("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # A score's rounding error is at most about u * a_ij, a_ij = scale * sum_e |q_ie k_je|. Softmax turns
+    # errors e into P_ij ((1 - P_ij) e_ij - sum_{k != j} P_ik e_ik), so a weight's error is at most
+    # u * P_ij (a_ij + sum_k P_ik a_ik - 2 P_ij a_ij), besides its own rounding, u * P_ij.
+    a = abs(scale) * (q.abs() @ k_all.abs().transpose(-2, -1))  # (..., H, L, E) x (..., H, E, S) -> (..., H, L, S)
+    a = torch.where(P > 0, a, torch.zeros_like(a))
+    spread = a + (P * a).sum(-1, keepdim=True) - 2 * P * a  # (..., H, L, S), >= 0
+    conditioned = P * (1 + spread)  # (..., H, L, S)
+    unit = _accumulation_roundoff(query.dtype)
+    group = P.shape[-3] // k.shape[-3] if gqa else 1  # query heads per key/value head
+    per_query = unit * math.sqrt(max(P.shape[-1], 1))  # sums over the S keys
+    per_key_row = unit * math.sqrt(max(P.shape[-2] * group, 1))  # sums over the L queries of each head in the group
+    result = {"output": per_query * (conditioned @ v_all.abs()).amax(-1)}  # (.., H, L, S) x (.., H, S, Ev) -> (.., H, L)
+    if grad_output is None:
+        return result
+    d_out = grad_output.detach().to(torch.float64)  # (..., H, L, Ev)
+    d_weights = d_out @ v_all.transpose(-2, -1)  # (..., H, L, Ev) x (..., H, Ev, S) -> (..., H, L, S)
+    d_weights_terms = d_out.abs() @ v_all.abs().transpose(-2, -1)  # (..., H, L, S)
+    terms = conditioned * (d_weights_terms + (P * d_weights).sum(-1, keepdim=True).abs())  # (..., H, L, S)
+
+    def per_key(x: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+        """(..., H, S, C) summed to ``like``'s (..., Hkv, S, C): over each head group and broadcast dims."""
+        leaf = torch.zeros_like(like, requires_grad=True)
+        with torch.enable_grad():
+            copies = expand_kv_heads(q, leaf, name) if gqa else leaf.expand(x.shape)
+            (summed,) = torch.autograd.grad(copies, leaf, x.sum_to_size(copies.shape))
+        return summed.amax(-1)
+
+    scale = abs(scale)
+    result["dq"] = per_query * (scale * (terms @ k_all.abs())).amax(-1)  # (.., H, L, S) x (.., H, S, E) -> (.., H, L)
+    result["dk"] = per_key_row * per_key(scale * (terms.transpose(-2, -1) @ q.abs()), k, "key")  # (..., Hkv, S)
+    result["dv"] = per_key_row * per_key(conditioned.transpose(-2, -1) @ d_out.abs(), v, "value")  # (..., Hkv, S)
+    return result
+
+
 def _masked_below_min(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """``kwargs`` with a float ``attn_mask``'s values ``<= finfo(dtype).min`` set to ``-inf``."""
     mask = kwargs.get("attn_mask")
@@ -672,6 +744,7 @@ class _Quantity:
     swap: bool = False  # report positions in the "blhd" layout
     not_judged: torch.Tensor | None = None  # bool, the rows' shape
     overflowed: torch.Tensor | None = None  # bool, the rows' shape
+    rounding: torch.Tensor | None = None  # float64, the rows' shape: what any summation order may round away
 
 
 @dataclass
@@ -732,7 +805,10 @@ def _judge(q: _Quantity, factor: float, atol: float, bound: str) -> _Verdict:
     sized = healthy & (magnitude > 0)
     typical_relative = _percentile(low_error[sized] / magnitude[sized])
     largest = low_error[healthy].max() if bool(healthy.any()) else torch.zeros((), dtype=torch.float64)
-    floor = torch.minimum(torch.maximum(typical, typical_relative * magnitude), largest)  # (rows), <= the global
+    floor = torch.maximum(typical, typical_relative * magnitude)  # (rows)
+    if q.rounding is not None:  # a row whose exact value cancels (near 0) may be off by the rounding alone
+        floor = torch.maximum(floor, q.rounding)
+    floor = torch.minimum(floor, largest)  # (rows), <= the global
     # a degenerate row has no estimate of its own: it is held to the floor alone, the typical error at its scale
     judgeable = bool(healthy.any())
     allowance = factor * torch.where(degenerate, floor, torch.maximum(low_error, floor)) + atol
@@ -773,8 +849,12 @@ def _judge(q: _Quantity, factor: float, atol: float, bound: str) -> _Verdict:
                              f"{allowance[row].item():.3e}")
             else:
                 relative = typical_relative * magnitude[row]
-                if floor[row] < torch.maximum(typical, relative):
+                rounding = q.rounding[row] if q.rounding is not None else torch.zeros(())
+                if floor[row] < torch.maximum(torch.maximum(typical, relative), rounding):
                     why = "the largest baseline error among the healthy rows, the floor's cap"
+                elif rounding > torch.maximum(typical, relative):
+                    why = ("the rounding any summation order may make on this row, sqrt(n) * u * sum|terms| "
+                           "from the exact weights")
                 elif typical >= relative:
                     why = "the 90th percentile of the rows' baseline errors"
                 else:
@@ -842,6 +922,11 @@ def _judge_global(q: _Quantity, diff: torch.Tensor, low_diff: torch.Tensor, fact
     return _Verdict(q, True, allowance, judged, 0, lines)
 
 
+def _accumulation_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of the sums a kernel accumulates: float32's for float16, bfloat16 and float32."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps / 2
+
+
 def _percentile(values: torch.Tensor) -> torch.Tensor:
     """The `_TYPICAL` percentile of ``values`` (nearest rank), 0 when there are none."""
     if values.numel() == 0:
@@ -860,7 +945,7 @@ def _reasons(not_finite: torch.Tensor, too_far: torch.Tensor, overflowed: torch.
 def _rule_text(bound: str) -> str:
     if bound == "row":
         return ("for each row r, max_r|actual - ref| <= factor * max(e_r, F_r) + atol, "
-                "e_r = max_r|low_precision - ref|, F_r the rows' typical e (bound='row')")
+                "e_r = max_r|low_precision - ref|, F_r the rows' typical e or the row's rounding (bound='row')")
     return "max|actual - ref| <= factor * max|low_precision - ref| + atol, over the whole tensor (bound='global')"
 
 

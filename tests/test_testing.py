@@ -607,6 +607,32 @@ def test_a_row_the_baseline_rounds_luckily_does_not_fail_a_right_kernel():
     assert_attention_close(out, q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+@pytest.mark.parametrize("case_id", ["gqa-float32-bwd-medium", "chunked-float32-bwd-medium",
+                                     "varlen_causal-float32-bwd-medium"])
+def test_a_right_float32_kernel_is_not_failed_where_the_exact_gradient_cancels(case_id, monkeypatch):
+    """The tiled backward (online softmax, D = rowsum(dO * O)) on rows whose exact dq or dk is near 0
+    (a query that sees one key): the float32 baseline's order happens to be exact there, so only the
+    rounding term sqrt(n) * u * sum|terms| tells a right kernel from a wrong one."""
+    from attention_ref import conformance, testing
+    from attention_ref.conformance import shipped
+
+    (result,) = conformance.run(shipped.attention_ref_tiled(), "full", select=[case_id]).results
+    assert result.status == "passed", result.detail
+    monkeypatch.setattr(testing, "_rounding", lambda *args: {})  # the rule without the rounding term
+    (result,) = conformance.run(shipped.attention_ref_tiled(), "full", select=[case_id]).results
+    assert result.status == "failed"
+
+
+def test_the_rounding_term_does_not_let_a_float32_scale_off_by_a_ten_thousandth_pass():
+    q, k, v = make_inputs(torch.float32, L=61, S=97, E=64)
+    grad_output = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    right = tiled_with_grads(q, k, v, grad_output, is_causal=True)
+    assert_attention_close(right[0], q, k, v, grad_output=grad_output, actual_grads=right[1], is_causal=True)
+    wrong = tiled_with_grads(q, k, v, grad_output, is_causal=True, scale=1.0001 / 8)
+    with pytest.raises(AssertionError, match=r"4 of 4 quantities out of bounds"):
+        assert_attention_close(wrong[0], q, k, v, grad_output=grad_output, actual_grads=wrong[1], is_causal=True)
+
+
 def test_no_row_is_allowed_more_than_flash_attentions_global_bound():
     """Noise of growing size on a right kernel: wherever the global rule fails it, the row rule does."""
     q, k, v = make_inputs(torch.float16)
