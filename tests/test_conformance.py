@@ -346,6 +346,21 @@ def test_the_pytest_plugin_runs_the_suite_on_a_named_adapter(tmp_path):
     assert "2 failed, 4 skipped" in out, out
 
 
+def test_the_plugin_leaves_quick_and_full_to_another_plugin_that_owns_them(tmp_path):
+    """Loaded in every pytest run where the package is installed, the plugin must not break a run whose
+    own plugin defines --full: it keeps --attention-size for itself."""
+    (tmp_path / "other_plugin.py").write_text(textwrap.dedent("""
+        def pytest_addoption(parser):
+            parser.addoption("--full", action="store_true", help="another plugin's --full")
+    """))
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "other_plugin", "--pyargs",
+               "attention_ref.conformance", "--attention-impl=attention_ref.conformance.shipped:attention_ref_math",
+               "--attention-size=full", "-k", "plain-float16-fwd-medium", "-q"]
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+
+
 # ---- the full run's script ---------------------------------------------------------------------------------------
 
 

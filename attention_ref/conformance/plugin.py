@@ -14,7 +14,8 @@ Options (in the group "attention_ref conformance"):
 
 - ``--attention-impl=package.module:name``: the adapter (an `Adapter`, or a
   function returning one), e.g. ``attention_ref.conformance.shipped:torch_sdpa_math``;
-- ``--quick`` (the default) or ``--full``: the size of the matrix;
+- ``--quick`` (the default) or ``--full``: the size of the matrix (``--attention-size=quick|full``
+  when another plugin already defines ``--quick`` or ``--full``);
 - ``--attention-device=cpu|cuda``: where the inputs go.
 
 Every pytest run in an environment with the package installed loads this
@@ -36,10 +37,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("attention_ref conformance")
     group.addoption("--attention-impl", default=None, metavar="MODULE:NAME",
                     help="the adapter of the kernel to run the attention_ref conformance suite on")
-    group.addoption("--quick", dest="attention_size", action="store_const", const="quick", default="quick",
-                    help="conformance suite: the quick matrix (the default)")
-    group.addoption("--full", dest="attention_size", action="store_const", const="full",
-                    help="conformance suite: the full matrix (every dtype, two shape sets)")
+    group.addoption("--attention-size", dest="attention_size", choices=("quick", "full"), default="quick",
+                    help="conformance suite: the quick matrix (the default) or the full one (every dtype, two "
+                         "shape sets)")
+    # The short spellings, unless another plugin already owns them: this plugin is loaded by every pytest
+    # run where attention_ref is installed, and must not break one that has its own --quick or --full.
+    taken = {name for owner in [parser._anonymous, *parser._groups] for option in owner.options
+             for name in option.names()}
+    for flag, size in (("--quick", "quick"), ("--full", "full")):
+        if flag not in taken:
+            group.addoption(flag, dest="attention_size", action="store_const", const=size,
+                            help=f"conformance suite: the same as --attention-size={size}")
     group.addoption("--attention-device", default="cpu", help="conformance suite: the device of the inputs")
 
 

@@ -1,0 +1,65 @@
+"""The pitfall the pitfalls page cannot run while it builds: a crash.
+
+``torch.compile(flex_attention)`` on a CPU with a ``score_mod`` that indexes a captured
+tensor one index at a time (``bias[b][h][i][j]``) kills the process (torch 2.13.0); with one
+subscript (``bias[b, h, i, j]``) it compiles and matches the eager result. Each runs in its own
+child process, with the page's inputs. When the crash stops happening, the test fails and says
+so: the page's section 5 then goes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+SCRIPT = textwrap.dedent("""
+    import sys, warnings
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    bias = torch.randn(1, 2, 16, 16)
+    if sys.argv[1] == "chained":
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + bias[b][h][q_idx][kv_idx]
+    else:
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + bias[b, h, q_idx, kv_idx]
+    compiled = torch.compile(flex_attention)(q, k, v, score_mod=mod)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        eager = flex_attention(q, k, v, score_mod=mod)
+    print("max difference", (compiled - eager).abs().max().item())
+""")
+
+SLOW = pytest.mark.skipif(not os.environ.get("ATTENTION_REF_SLOW_TESTS"),
+                          reason="a second CPU compile (about 10 s): set ATTENTION_REF_SLOW_TESTS=1")
+
+
+def _run(spelling: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, spelling], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.__version__.split("+")[0] != "2.13.0", reason="the crash was seen with torch 2.13.0")
+def test_compiled_flex_attention_on_cpu_dies_on_chained_indexing_in_a_score_mod():
+    result = _run("chained")
+    assert result.returncode != 0, (
+        "torch.compile(flex_attention) on CPU no longer crashes on bias[b][h][i][j] "
+        f"(fixed upstream?): update docs/howto/pitfalls.md section 5. Output: {result.stdout}")
+    assert result.returncode in (-signal.SIGABRT, -signal.SIGSEGV), result.stderr[-2000:]
+    assert "max difference" not in result.stdout
+
+
+@SLOW
+def test_compiled_flex_attention_on_cpu_takes_one_subscript():
+    result = _run("one_subscript")
+    assert result.returncode == 0, result.stderr[-2000:]
+    difference = float(result.stdout.split("max difference")[1])
+    assert difference < 1e-5
