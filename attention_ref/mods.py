@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -872,7 +873,7 @@ def apply_mask_mod(
     check_mod("mask_mod", mask_mod, "mask")
     B, H, b, h, q_idx, kv_idx = index_grids(batch, L, S, device)
     validate_sizes(mask_mod, B, H, L, S)
-    keep = mask_mod(b, h, q_idx, kv_idx)
+    keep = _call_on_grids("mask_mod", mask_mod, b, h, q_idx, kv_idx)
     target = (*tuple(batch), L, S)
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
         got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
@@ -887,6 +888,20 @@ def apply_mask_mod(
             f"got shape {fmt_shape(keep.shape)}"
         )
     return keep
+
+
+def _call_on_grids(name: str, mod: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """Call a mod on the broadcast index grids; an IndexError says how grids differ from FlexAttention's scalars."""
+    try:
+        return mod(*args)
+    except IndexError as error:
+        raise IndexError(
+            f"{name} raised IndexError on the index grids: {error}. Here a mod is called once, on "
+            "broadcasting index tensors (b, h, q_idx and kv_idx, each with as many dims as the scores), "
+            "not once per element as FlexAttention calls it: index a captured tensor with one subscript, "
+            "bias[b, h, q_idx, kv_idx], not bias[b][h][q_idx][kv_idx] (the chained spelling also crashes "
+            "torch.compile(flex_attention) on a CPU)"
+        ) from error
 
 
 def apply_score_mod(score_mod: ScoreMod, scores: torch.Tensor) -> torch.Tensor:
@@ -909,7 +924,7 @@ def apply_score_mod(score_mod: ScoreMod, scores: torch.Tensor) -> torch.Tensor:
     L, S = scores.shape[-2:]
     B, H, b, h, q_idx, kv_idx = index_grids(scores.shape[:-2], L, S, scores.device)
     validate_sizes(score_mod, B, H, L, S)
-    modified = score_mod(scores, b, h, q_idx, kv_idx)
+    modified = _call_on_grids("score_mod", score_mod, scores, b, h, q_idx, kv_idx)
     if not isinstance(modified, torch.Tensor):
         raise TypeError(f"score_mod must return a floating-point tensor, got {type(modified).__name__}")
     if modified.dtype == torch.bool:

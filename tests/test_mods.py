@@ -721,3 +721,18 @@ def test_left_padding_and_chunk_start_errors_name_the_argument():
         mods.chunked(2, start=torch.tensor([0.5]))
     with pytest.raises(ValueError, match="start"):
         mods.create_mask(mods.chunked(2, start=torch.tensor([0, 1, 2])), 2, None, 3, 3)
+
+
+def test_chained_indexing_in_a_mod_raises_and_says_to_use_one_subscript():
+    """FlexAttention calls a mod per element, where bias[b][h][i][j] works; on this package's
+    broadcast index grids it raises, and the message says what to write instead."""
+    q = k = v = torch.randn(1, 2, 5, 4)
+    bias = torch.randn(1, 2, 5, 5)
+    one_subscript = scaled_dot_product_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b, h, i, j])
+    assert torch.allclose(one_subscript, scaled_dot_product_attention(q, k, v, attn_mask=bias))
+    with pytest.raises(IndexError, match=r"score_mod raised IndexError on the index grids: .* one subscript, "
+                                         r"bias\[b, h, q_idx, kv_idx\]"):
+        scaled_dot_product_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b][h][i][j])
+    keep = torch.rand(1, 2, 5, 5) > 0.5
+    with pytest.raises(IndexError, match=r"mask_mod raised IndexError on the index grids"):
+        scaled_dot_product_attention(q, k, v, mask_mod=lambda b, h, i, j: keep[b][h][i][j])
