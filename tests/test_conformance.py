@@ -141,6 +141,16 @@ def test_unsupported_features_are_skipped_with_the_reason():
     assert reasons["sinks-float32-fwd-small"] == "torch-flex does not support sinks"
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+@pytest.mark.parametrize("factory", [shipped.torch_flex_compiled, shipped.hf_flex_compiled])
+def test_compiled_flex_adapters_run_one_case_in_every_run(factory):
+    """One compile each (about 10 s on a CPU), so that every shipped adapter runs in CI; more below."""
+    if factory is shipped.hf_flex_compiled:
+        pytest.importorskip("transformers")
+    report = conformance.run(factory(), select=["plain-float32-fwd-small"])
+    assert [r.status for r in report.results] == ["passed"], str(report)
+
+
 @SLOW
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 @pytest.mark.parametrize("factory", [shipped.torch_flex_compiled, shipped.hf_flex_compiled])
