@@ -547,6 +547,72 @@ _SVG_START = re.compile(r"<svg\b")
 _COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
 
 
+# The figure's own colours ("chrome": background, text, axes lines), each drawn through a CSS variable with
+# the light colour as its fallback: the site's dark scheme sets the variables (docs/stylesheets/extra.css),
+# anywhere else (a notebook, a file) the figure stays as it is. Data colours (cells, lines, annotations
+# on cells in black or white) are other colours and stay.
+_CHROME_TEXT, _CHROME_LINE, _CHROME_BACKGROUND = "#1a1a1a", "#333333", "#ffffff"
+_THEMED = (
+    # text, and mathtext drawn as glyph paths: only the chrome is in this colour
+    (re.compile(r"(fill: )#1a1a1a"), r"\1var(--ar-figure-text, #1a1a1a)"),
+    (re.compile(r"((?:stroke|fill): )#333333"), r"\1var(--ar-figure-line, #333333)"),
+    # only the background patches of the figure, its axes and legends, never a data cell
+    (re.compile(r'(<g id="(?:patch|legend)_\d+">\s*<path\b[^>]*?style="fill: )#ffffff'),
+     r"\1var(--ar-figure-background, #ffffff)"),
+)
+
+
+def _themed(svg: str) -> str:
+    """The chrome colours of matplotlib's SVG drawn through the site's CSS variables (see `_THEMED`)."""
+    for pattern, replacement in _THEMED:
+        svg = pattern.sub(replacement, svg)
+    return svg
+
+
+def _chrome(figure: Figure) -> None:
+    """Give a figure made outside this module's style the chrome colours, where it has matplotlib's defaults.
+
+    Titles, axis labels, tick labels, spines, ticks, legend text and colourbar text in pure black
+    become `_CHROME_TEXT` / `_CHROME_LINE`; white figure, axes and legend backgrounds `_CHROME_BACKGROUND`.
+    Text placed on the data (``ax.text``, e.g. a cell's value) keeps its colour.
+    """
+    mpl = _matplotlib()
+    to_rgba = mpl.colors.to_rgba
+    black, white = to_rgba("black"), to_rgba("white")
+
+    def text(t: Any) -> None:
+        if to_rgba(t.get_color()) == black:
+            t.set_color(_CHROME_TEXT)
+
+    if to_rgba(figure.get_facecolor()) == white:
+        figure.set_facecolor(_CHROME_BACKGROUND)
+    for t in figure.texts + ([figure._suptitle] if getattr(figure, "_suptitle", None) else []):
+        text(t)
+    for ax in figure.axes:
+        for t in (ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label,
+                  *ax.get_xticklabels(), *ax.get_yticklabels()):
+            text(t)
+        for spine in ax.spines.values():
+            if to_rgba(spine.get_edgecolor()) == black:
+                spine.set_edgecolor(_CHROME_LINE)
+        for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            ticks = axis.get_major_ticks()
+            if ticks and to_rgba(ticks[0].tick1line.get_markeredgecolor()) == black:
+                ax.tick_params(axis=name, which="both", color=_CHROME_LINE)
+        legend = ax.get_legend()
+        if legend is not None:
+            for t in legend.get_texts() + [legend.get_title()]:
+                text(t)
+
+
+def _label(figure: Figure) -> str:
+    """A name for screen readers: the figure's title, else its axes' titles, else "figure"."""
+    suptitle = getattr(figure, "_suptitle", None)
+    titles = [suptitle.get_text()] if suptitle is not None and suptitle.get_text() else [
+        ax.get_title() for ax in figure.axes if ax.get_title()]
+    return "; ".join(titles) or "figure"
+
+
 def to_svg(figure: Figure) -> str:
     """Render a figure as an inline ``<svg>`` element and close the figure.
 
@@ -575,6 +641,8 @@ def to_svg(figure: Figure) -> str:
     mpl = _matplotlib()
     if not isinstance(figure, mpl.figure.Figure):
         raise TypeError(f"figure must be a matplotlib.figure.Figure, got {type(figure).__name__}")
+    _chrome(figure)
+    label = _label(figure)
     buffer = io.StringIO()
     with _style():
         figure.savefig(buffer, format="svg", metadata={"Date": None}, facecolor="white")
@@ -586,8 +654,10 @@ def to_svg(figure: Figure) -> str:
         raise RuntimeError("matplotlib wrote no <svg> element")
     svg = text[start.start():]
     svg = _COMMENT.sub("", svg)  # matplotlib's <!-- text --> notes: only bytes in a page
-    # Scale with the page: keep the viewBox, let CSS size it.
-    svg = _SVG_START.sub('<svg style="max-width: 100%; height: auto"', svg, count=1)
+    svg = _themed(svg)
+    # Scale with the page: keep the viewBox, let CSS size it. Named for screen readers by its titles.
+    svg = _SVG_START.sub(f'<svg class="ar-figure" role="img" aria-label="{html.escape(label)}" '
+                         'style="max-width: 100%; height: auto"', svg, count=1)
     # No indentation and no blank lines: smaller, and safe inside Markdown.
     return "\n".join(line.strip() for line in svg.splitlines() if line.strip()) + "\n"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html.parser
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -632,3 +633,39 @@ def test_explorer_html_rejects_bad_layers_and_sentences():
         explorer_html(TOKENS, w, initial_token=[0])  # a list needs sentences
     with pytest.raises(ValueError, match=r"weights must be attention weights in \[0, 1\]"):
         explorer_html(TOKENS, w * 2)
+
+
+# --- the site's dark scheme ----------------------------------------------------
+
+
+def _colours(svg):
+    return set(re.findall(r"(?:fill|stroke): (var\([^)]*\)|#[0-9a-f]{6})", svg))
+
+
+def test_to_svg_draws_the_chrome_through_css_variables_and_keeps_the_data_colours():
+    svg = to_svg(heatmap([[0.25, 0.75], [1.0, 0.0]], ["a", "b"], annotate=True, title="one head"))
+    colours = _colours(svg)
+    assert {"var(--ar-figure-text, #1a1a1a)", "var(--ar-figure-line, #333333)",
+            "var(--ar-figure-background, #ffffff)"} <= colours
+    assert not colours & {"#1a1a1a", "#333333"}  # no chrome left out of the theme
+    # the cell annotations keep their colours (white on dark cells), outside any variable
+    values = re.findall(r'<text style="[^"]*fill: (#[0-9a-f]{6}|var\([^)]*\))"[^>]*>(0\.25|0\.75|1\.00|0\.00)<', svg)
+    assert values and all(fill in ("#ffffff", "#000000") for fill, _ in values), values
+    assert 'class="ar-figure" role="img" aria-label="one head"' in svg
+
+
+def test_to_svg_themes_a_pyplot_figure_made_with_the_default_colours():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3], label="cost")
+    ax.text(1, 2, "on the data", color="black")
+    ax.set_title("a line")
+    ax.legend()
+    svg = to_svg(fig)
+    assert "#000000" not in svg  # matplotlib's black chrome is gone
+    # text placed on the data keeps its colour: black, SVG's default fill, written as no fill at all
+    assert re.search(r'<text style="[^"]*"[^>]*>on the data<', svg) and not re.search(
+        r'<text style="[^"]*fill: [^"]*"[^>]*>on the data<', svg)
+    assert re.search(r'fill: var\(--ar-figure-text, #1a1a1a\)"[^>]*>a line<', svg)
+    assert "#1f77b4" in _colours(svg)  # the data line keeps matplotlib's blue
+    assert 'aria-label="a line"' in svg

@@ -134,3 +134,22 @@ def test_search_finds_a_page_offline(page, site_url: str):
     hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
     assert any(expected in (href or "") for href in hrefs), hrefs
     assert_clean(page, site_url)
+
+
+FIGURE_COLOURS = """() => [...document.querySelectorAll('svg.ar-figure')].map(svg => ({
+  background: getComputedStyle(svg.querySelector('#patch_1 path')).fill,
+  text: getComputedStyle(svg.querySelector('text')).fill,
+}))"""
+
+
+def test_figures_follow_the_colour_scheme(page, site_url: str):
+    """A figure's background and text take the page's colours in the dark scheme, not a white slab."""
+    page.goto(site_url + page_path("tutorial/09-cost.md"))
+    page.wait_for_load_state("networkidle")
+    light = page.evaluate(FIGURE_COLOURS)
+    assert light and all(f["background"] == "rgb(255, 255, 255)" for f in light), light
+    page.evaluate("document.body.setAttribute('data-md-color-scheme', 'slate')")  # Material's dark scheme
+    dark = page.evaluate(FIGURE_COLOURS)
+    page_background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert all(f["background"] == page_background != "rgb(255, 255, 255)" for f in dark), (dark, page_background)
+    assert all(f["text"] != light[0]["text"] for f in dark), dark
