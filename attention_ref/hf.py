@@ -48,13 +48,26 @@ to a function that ignored them would give plausible logits, far from eager's.
 | ``sliding_window=W`` and a mask | nothing more: the mask holds the window |
 | ``sliding_window=W``, no mask, ``S > W`` | ``from_hf_sliding_window(W)``; raises if bidirectional |
 | ``output_attentions`` | the weights are returned |
-| ``indices``, ``block_indices``, ``sinks``, packed-varlen keywords, ``cache`` | raise unless ``None`` |
+| ``indices`` ``(B, L, k)`` int (DeepSeek V3.2 and its family) | `attention_ref.sparse.topk_attention`, the mask kept |
+| ``block_indices``, ``sinks``, packed-varlen keywords, ``cache`` | raise unless ``None`` |
 | any other keyword | raises, unless in `HARMLESS_KEYWORDS` |
 
-Of the refused: ``indices`` (DeepSeek V3.2, GLM-5) and ``block_indices``
-(MiniMax-M3) select the keys of top-k sparse attention, which attention_ref does
-not implement; ``sinks`` (Inkling) is a sink per query, where attention_ref has
-one per head; ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` describe
+``indices`` is DeepSeek V3.2's top-k selection (also GLM-5's, Mistral Large 4's
+and the other DSA models'): transformers folds it into the mask for eager and
+SDPA only, and hands every other attention function the plain causal mask plus
+``indices``, the ``int32`` ``(B, L, k)`` keys each query keeps, one selection
+for all heads. Ignoring it computes dense attention, silently. Here each query
+attends to the keys listed *and* allowed by the mask: where fewer than ``k``
+keys are valid, transformers' ``topk`` lists masked (future or padding)
+positions too, and the mask keeps them out, as in eager. The one difference
+from eager: a query row that the mask empties completely (a padding token's)
+is spread over its ``k`` listed keys here and over all ``S`` keys in eager
+(its float mask holds the same most-negative number everywhere); such a row is
+a padding token's, which no real token reads.
+
+Of the refused: ``block_indices`` (MiniMax-M3) selects key blocks, a
+block-sparse top-k that attention_ref does not implement; ``sinks`` (Inkling) is
+a sink per query, where attention_ref has one per head; ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` describe
 packed sequences, which this adapter reads from the mask only; ``cache`` is a
 paged cache the attention function would have to update. A sliding window on a
 bidirectional layer without a mask is refused because transformers' own paths
@@ -83,6 +96,7 @@ from attention_ref import mods
 from attention_ref.conventions import from_hf_sliding_window
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.masks import combine_masks
+from attention_ref.sparse import topk_attention
 
 __all__ = ["DEFAULT_NAME", "HARMLESS_KEYWORDS", "attention_forward", "record_weights", "register"]
 
@@ -108,8 +122,6 @@ HARMLESS_KEYWORDS: dict[str, str] = {
 
 # Keywords that change attention and that this module does not implement: accepted only as None.
 _REFUSED = {
-    "indices": "DeepSeek V3.2's top-k sparse attention (each query attends only to the keys its indexer "
-    "chose): attention_ref does not implement top-k sparse attention yet",
     "block_indices": "MiniMax-M3's block-sparse attention (each query attends only to the key blocks its "
     "indexer chose): attention_ref does not implement block-sparse top-k attention yet",
     "sinks": "one sink logit per query (Inkling): attention_ref's sinks are one logit per head",
@@ -169,6 +181,18 @@ def _check_not_packed(module: torch.nn.Module, position_ids: Any, L: int) -> Non
         )
 
 
+def _selected(module: torch.nn.Module, indices: object, query: torch.Tensor) -> torch.Tensor:
+    """transformers' ``indices`` ``(B, L, k)``, one selection for all heads, as ``(B, 1, L, k)``."""
+    B, L = query.shape[0], query.shape[-2]
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or tuple(indices.shape[:2]) != (B, L):
+        got = f"shape {tuple(indices.shape)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(
+            f"attention_ref.hf: {_where(module)} passed indices of {got}; expected the top-k keys of each "
+            f"query, (B, L, k) with (B, L) = ({B}, {L}), as DeepSeek V3.2 passes them"
+        )
+    return indices.unsqueeze(1)  # (B, L, k) -> (B, 1, L, k): shared by the H heads
+
+
 def _window(module: torch.nn.Module, sliding_window: int, causal: bool, L: int, S: int) -> mods.MaskMod:
     """The window transformers would have put in the mask, for a call that came without one."""
     if not causal:
@@ -196,6 +220,7 @@ def attention_forward(
     sliding_window: int | None = None,
     s_aux: torch.Tensor | None = None,
     position_bias: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention function `register` gives transformers: one layer through the reference.
@@ -223,6 +248,10 @@ def attention_forward(
             ``None``: no sink.
         position_bias: a float bias broadcastable to ``(B, H, L, S)`` added to
             the scaled scores (T5's relative positions), combined with the mask.
+        indices: DeepSeek V3.2's top-k keys, ``(B, L, k)`` integer, one selection
+            for all heads: each query attends only to the keys listed, through
+            `attention_ref.sparse.topk_attention` (``-1`` = no key; a key out of
+            range or listed twice raises); ``None``: dense attention.
         **kwargs: ``output_attentions`` (return the weights), the keywords of
             `HARMLESS_KEYWORDS`, and keywords refused unless ``None``.
 
@@ -233,7 +262,7 @@ def attention_forward(
 
     Raises:
         NotImplementedError: a keyword that would change the result and is not
-            implemented (``indices``, packed-varlen keywords, a paged
+            implemented (``block_indices``, packed-varlen keywords, a paged
             ``cache``, any unknown keyword), or a sliding window this function
             cannot place; the message names the keyword, the layer's class and
             its ``layer_idx``.
@@ -250,17 +279,20 @@ def attention_forward(
     if position_bias is not None:  # one float mask: the bias, plus 0 / -inf (bool) or the float mask
         attention_mask = combine_masks(position_bias, attention_mask)
     want_weights = bool(getattr(_recording, "lists", None)) or bool(kwargs.get("output_attentions", False))
-    result = scaled_dot_product_attention(
-        query, key, value, attention_mask,
-        is_causal=causal,
-        scale=scaling,
-        dropout_p=float(dropout) if module.training else 0.0,
-        enable_gqa=key.shape[-3] != query.shape[-3],
-        score_mod=mods.softcap(float(softcap)) if softcap is not None else None,
-        mask_mod=window,
-        sinks=s_aux,
-        return_weights=want_weights,
-    )
+    options: dict[str, Any] = {
+        "is_causal": causal,
+        "scale": scaling,
+        "dropout_p": float(dropout) if module.training else 0.0,
+        "enable_gqa": key.shape[-3] != query.shape[-3],
+        "score_mod": mods.softcap(float(softcap)) if softcap is not None else None,
+        "mask_mod": window,
+        "sinks": s_aux,
+        "return_weights": want_weights,
+    }
+    if indices is None:
+        result = scaled_dot_product_attention(query, key, value, attention_mask, **options)
+    else:  # top-k sparse attention: the same call, the selection as one more mask
+        result = topk_attention(query, key, value, _selected(module, indices, query), attention_mask, **options)
     output, weights = result if want_weights else (result, None)
     if weights is not None:
         for captured in getattr(_recording, "lists", []):

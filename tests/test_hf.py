@@ -275,12 +275,15 @@ def test_an_unknown_keyword_raises_and_names_itself():
         hf.attention_forward(Layer(), q, k, v, None, window_size=None)
 
 
-def test_indices_raise_until_top_k_sparse_attention_exists():
+def test_indices_select_the_keys():
+    """DeepSeek V3.2's ``indices`` (B, L, k): top-k sparse attention (tests/test_sparse.py has the rest)."""
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match=r"Layer \(layer_idx=3\) passed indices=.*does not implement "
-                                                  r"top-k sparse attention"):
-        hf.attention_forward(Layer(), q, k, v, None, indices=torch.zeros(2, 7, 2, dtype=torch.long))
-    hf.attention_forward(Layer(), q, k, v, None, indices=None)  # None: the dense path, nothing to refuse
+    chosen = torch.tensor([0, 2, 6]).expand(2, 7, 3)  # keys 0 and 2, and key 6 where the causal rule allows it
+    ours, _ = hf.attention_forward(Layer(), q, k, v, None, indices=chosen)
+    keep = torch.zeros(7, 7, dtype=torch.bool)
+    keep[:, [0, 2, 6]] = True
+    torch.testing.assert_close(ours, _eager(q, k, v, _causal_bias(7, 7, keep))[0])
+    hf.attention_forward(Layer(), q, k, v, None, indices=None)  # None: the dense path
 
 
 @pytest.mark.parametrize("name", ["cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx", "cache", "sinks"])

@@ -374,10 +374,10 @@ def test_deepseek_v4_gets_the_mask_eager_gets():
     assert _gap(boolean, eager, mask.bool()) > 1e-2
 
 
-def test_deepseek_v32_refuses_its_top_k_keys():
+def test_deepseek_v32_top_k_keys_equal_eager():
     """V3.2 passes ``indices`` (the 4 keys each query keeps) to every implementation but eager and sdpa."""
     torch.manual_seed(0)
     model = _sharpen(transformers.DeepseekV32ForCausalLM(_tiny_config("deepseek_v32"))).eval()
     ids, mask = _batch(True)
-    with pytest.raises(NotImplementedError, match=r"DeepseekV32Attention \(layer_idx=0\) passed indices=.*top-k"):
-        _logits(model, NAME, input_ids=ids, attention_mask=mask)
+    eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+    assert _gap(_logits(model, NAME, input_ids=ids, attention_mask=mask), eager, mask.bool()) < 1e-5
