@@ -1,0 +1,822 @@
+r"""Linear attention: the delta-rule family of today's hybrid models, recurrent and chunked.
+
+Softmax attention keeps every past key and value (a cache that grows with the
+sequence). Linear attention keeps a fixed-size *state* per head instead, a
+matrix ``S`` of shape ``(E, Ev)`` that each token updates and each query reads:
+
+$$
+S_t = \alpha_t S_{t-1} + k_t u_t^\top, \qquad o_t = S_t^\top q_t .
+$$
+
+The family differs only in the decay ``alpha_t`` and in what is written, ``u_t``:
+
+| function | decay ``alpha_t`` | written ``u_t`` |
+| --- | --- | --- |
+| `linear_attention` | 1 | ``v_t`` |
+| `gated_linear_attention` | ``exp(g_t)``, per head | ``v_t`` |
+| `ssd` (Mamba-2) | ``exp(dt_t A)``, per head | ``dt_t x_t`` (``q = C``, ``k = B``) |
+| `gated_delta_rule` | ``exp(g_t)``, per head | ``beta_t (v_t - (alpha_t S_{t-1})^T k_t)`` |
+| `kimi_delta_attention` | ``diag(exp(g_t))``, per key channel | as `gated_delta_rule` |
+
+The delta rule (Gated DeltaNet, [Yang et al. 2024](https://arxiv.org/abs/2412.06464),
+used by Qwen3-Next and Qwen3.5) writes only the error of the state's own
+prediction of ``v_t`` from ``k_t``: one step of online least squares with step
+size ``beta_t``. Kimi Delta Attention (Kimi Linear) gives each key channel its
+own decay.
+
+Every function has a *recurrent* form (a loop over tokens, what decoding runs)
+and a parallel form that must agree with it: the quadratic form
+``(M * Q K^T) V``, ``M`` the causal decay matrix, for the gated linear family, and the chunked form with the
+WY/UT transform ([Yang et al. 2024](https://arxiv.org/abs/2406.06484)) for the
+delta rule. Per chunk of ``C`` tokens with entry state ``S_0``, in-chunk
+cumulative log-decay ``Gamma_i = g_1 + ... + g_i`` and decay-aware mask
+``D_ij = exp(Gamma_i - Gamma_j)`` for ``j <= i`` (0 above the diagonal):
+
+$$
+\begin{aligned}
+A &= I + \operatorname{strictly\_lower}(\operatorname{diag}(\beta) K K^\top \odot D), &
+U &= A^{-1} (\beta \odot V), \quad W = A^{-1} (\beta \odot K \odot e^{\Gamma}), \\
+V_\text{new} &= U - W S_0, &
+O &= (Q \odot e^{\Gamma}) S_0 + (Q K^\top \odot D)\, V_\text{new}, \\
+S_C &= e^{\Gamma_C} S_0 + (K \odot e^{\Gamma_C - \Gamma})^\top V_\text{new}.
+\end{aligned}
+$$
+
+A plain causal mask in place of ``D`` is the classic bug: the tests hold the two
+forms equal in float64 for every chunk size, values and gradients.
+
+**Layout.** The functions take the layout of flash-linear-attention and of
+transformers' Qwen3-Next and Kimi Linear code, tokens before heads:
+``(B, L, H, E)``, where the softmax core of this package takes ``(B, H, L, E)``
+(``x.transpose(1, 2)`` converts). Shape legend (the package's): ``B`` batch,
+``L`` tokens, ``H`` query/key heads, ``Hv`` value heads (a multiple of ``H``;
+value head ``j`` reads query/key head ``j // (Hv // H)``, "grouped value
+attention", as ``repeat_interleave`` does), ``E`` query/key size, ``Ev`` value
+size, ``N`` sequences of a packed batch.
+
+**State.** ``(B, Hv, E, Ev)``: key channels by value channels, "K x V", the
+layout of fla and transformers, read as ``o = S^T q``. Mamba-2's cache and
+flashinfer store the transpose, ``(..., Ev, E)`` ("V x K"):
+`state_kv_to_vk` and `state_vk_to_kv` convert at the boundary.
+
+**Gates.** ``g`` is the *log* of the decay (``g <= 0``, decay ``exp(g)`` in
+``(0, 1]``); a decay given in linear space (``alpha``, flashinfer's convention)
+is ``g = torch.log(alpha)``. A positive ``g`` raises, since it is almost always a
+linear gate read as a log one. ``beta`` is the delta rule's step size, usually
+``sigmoid(b)`` in ``(0, 1)``.
+
+**Precision.** Everything is computed in at least float32 (float64 stays
+float64); the output has ``v``'s dtype and the final state stays in the compute
+dtype (the "float32 state" contract: a float16 state overflows).
+
+Examples:
+    >>> import torch
+    >>> from attention_ref.linear import gated_delta_rule
+    >>> B, L, H, Hv, E, Ev = 1, 7, 1, 2, 4, 3
+    >>> q, k = torch.randn(B, L, H, E), torch.randn(B, L, H, E)
+    >>> v = torch.randn(B, L, Hv, Ev)
+    >>> g = -torch.rand(B, L, Hv)                 # log decay, <= 0
+    >>> beta = torch.rand(B, L, Hv)
+    >>> out, state = gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    >>> out.shape, state.shape
+    (torch.Size([1, 7, 2, 3]), torch.Size([1, 2, 4, 3]))
+    >>> chunked, _ = gated_delta_rule(q, k, v, g, beta, mode="chunked", chunk_size=4)
+    >>> torch.allclose(chunked, out, atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+
+from attention_ref._validation import (
+    check_positive_int,
+    check_scale,
+    fmt_shape,
+    require_float_tensor,
+    require_same_dtype_and_device,
+    require_tensor,
+)
+
+__all__ = [
+    "gated_delta_rule",
+    "gated_linear_attention",
+    "kimi_delta_attention",
+    "l2_normalize",
+    "linear_attention",
+    "ssd",
+    "state_kv_to_vk",
+    "state_vk_to_kv",
+]
+
+L2NORM_EPS = 1e-6
+"""The ``eps`` of `l2_normalize`, inside the square root (fla and transformers use 1e-6)."""
+
+_DELTA_MODES = ("recurrent", "chunked")
+_QUADRATIC_MODES = ("recurrent", "quadratic")
+
+
+# --- argument checks -----------------------------------------------------------------------------
+
+
+def _check_mode(mode: object, allowed: tuple[str, ...]) -> str:
+    if mode not in allowed:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, allowed))}, got {mode!r}")
+    return mode
+
+
+def _check_qkv(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int]:
+    """q, k ``(B, L, H, E)`` and v ``(B, L, Hv, Ev)`` with ``Hv`` a multiple of ``H``."""
+    q = require_float_tensor("q", q, 4, "(B, L, H, E)")
+    k = require_float_tensor("k", k, 4, "(B, L, H, E)")
+    v = require_float_tensor("v", v, 4, "(B, L, Hv, Ev)")
+    for name, t, layout in (("q", q, "(B, L, H, E)"), ("k", k, "(B, L, H, E)"), ("v", v, "(B, L, Hv, Ev)")):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims {layout}, got shape {fmt_shape(t.shape)}")
+    require_same_dtype_and_device(q=q, k=k, v=v)
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape (B, L, H, E)={fmt_shape(q.shape)}, got {fmt_shape(k.shape)}")
+    B, L, H, E = q.shape
+    Hv, Ev = v.shape[2], v.shape[3]
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must have q's (B, L)={fmt_shape(q.shape[:2])}, got {fmt_shape(v.shape[:2])}")
+    if Hv % H != 0:
+        raise ValueError(f"v's heads Hv={Hv} must be a multiple of q's and k's heads H={H}")
+    return B, L, H, Hv, E, Ev
+
+
+def _check_like(name: str, value: object, shape: tuple[int, ...], layout: str, ref: torch.Tensor) -> torch.Tensor:
+    tensor = require_tensor(name, value)
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {layout}={fmt_shape(shape)}, got {fmt_shape(tensor.shape)}")
+    if tensor.device != ref.device:
+        raise ValueError(f"{name} must be on the same device as q ({ref.device}), got {tensor.device}")
+    return tensor
+
+
+def _check_log_gate(name: str, g: torch.Tensor) -> None:
+    if g.numel() and bool((g > 0).any()):
+        raise ValueError(
+            f"{name} is the log of the decay and must be <= 0, got a maximum of {g.max().item():.4g}; "
+            f"a decay alpha in (0, 1] given in linear space converts with torch.log(alpha)"
+        )
+
+
+def _check_cu_seqlens(cu_seqlens: object, B: int, L: int) -> list[int] | None:
+    """``(N + 1,)`` cumulative lengths from 0 to ``L``, non-decreasing, with ``B == 1``."""
+    if cu_seqlens is None:
+        return None
+    cu = require_tensor("cu_seqlens", cu_seqlens)
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor (N + 1,), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (N + 1,) with N >= 1, got shape {fmt_shape(cu.shape)}")
+    bounds = [int(x) for x in cu.tolist()]
+    if bounds[0] != 0 or bounds[-1] != L:
+        raise ValueError(f"cu_seqlens must run from 0 to the packed length L={L}, got {bounds[0]} to {bounds[-1]}")
+    if any(b < a for a, b in pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed along L and B must be 1, got B={B}")
+    return bounds
+
+
+def _check_state(initial_state: object, N: int, Hv: int, E: int, Ev: int, ref: torch.Tensor, varlen: bool):
+    if initial_state is None:
+        return None
+    n = "N" if varlen else "B"
+    return _check_like("initial_state", initial_state, (N, Hv, E, Ev), f"({n}, Hv, E, Ev)", ref)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The recurrences run in at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# --- building blocks -----------------------------------------------------------------------------
+
+
+def _segment_sum(g: torch.Tensor) -> torch.Tensor:
+    """``out[..., i, j] = g_{j+1} + ... + g_i`` for ``j <= i`` (0 on the diagonal), ``-inf`` above.
+
+    ``exp`` of it is the 1-semiseparable decay matrix of SSD. Summing the segment
+    directly, as Mamba-2's ``segment_sum`` does, instead of subtracting two long
+    cumulative sums, keeps its precision over long sequences.
+    """
+    T = g.shape[-1]
+    x = g[..., :, None].expand(*g.shape, T)  # (..., T, T): x[i, j] = g_i
+    below = torch.ones(T, T, dtype=torch.bool, device=g.device).tril(-1)
+    x = x.masked_fill(~below, 0.0)
+    out = x.cumsum(dim=-2)  # out[i, j] = sum of g_k for j < k <= i
+    return out.masked_fill(~below.logical_or(torch.eye(T, dtype=torch.bool, device=g.device)), float("-inf"))
+
+
+def _decayed_scores(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, *, diagonal: bool) -> torch.Tensor:
+    """``sum_e a_ie b_je exp(gamma_ie - gamma_je)`` for ``j <= i`` (``j < i`` without ``diagonal``), 0 above.
+
+    ``a``, ``b``: ``(..., C, E)``; ``gamma``: ``(..., C, 1)`` for a scalar gate (the
+    decay ``D_ij`` of the chunked form then multiplies the plain scores) or
+    ``(..., C, E)`` for a per-channel one (Kimi Delta Attention).
+    """
+    C = a.shape[-2]
+    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(0 if diagonal else -1)
+    diff = gamma[..., :, None, :] - gamma[..., None, :, :]  # (..., C, C, 1 or E)
+    decay = diff.masked_fill(~keep[:, :, None], float("-inf")).exp()  # 0 where not kept, never inf
+    if gamma.shape[-1] == 1:
+        return (a @ b.transpose(-1, -2)) * decay[..., 0]  # (..., C, E) x (..., E, C) -> (..., C, C)
+    return (a[..., :, None, :] * b[..., None, :, :] * decay).sum(-1)  # (..., C, C, E) -> (..., C, C)
+
+
+# --- the two forms of the delta rule, on (B, Hv, L, .) tensors -----------------------------------
+
+
+def _delta_rule_recurrent(q, k, v, g, beta, state):
+    """The token-by-token loop.
+
+    q, k: ``(B, Hv, L, E)``; v: ``(B, Hv, L, Ev)``; g: ``(B, Hv, L, 1 or E)`` log decay;
+    beta: ``(B, Hv, L)`` or None (no delta term: gated linear attention);
+    state: ``(B, Hv, E, Ev)``. Returns ``(out (B, Hv, L, Ev), state)``.
+    """
+    outs = []
+    for t in range(q.shape[2]):
+        q_t, k_t, v_t = q[:, :, t], k[:, :, t], v[:, :, t]  # (B, Hv, E), (B, Hv, E), (B, Hv, Ev)
+        state = state * g[:, :, t].exp()[..., None]  # decay first: rows scaled by (B, Hv, 1 or E, 1)
+        if beta is None:
+            u_t = v_t  # linear attention writes the value itself
+        else:
+            predicted = (k_t[:, :, None, :] @ state)[:, :, 0]  # (B, Hv, 1, E) x (B, Hv, E, Ev) -> (B, Hv, Ev)
+            u_t = beta[:, :, t, None] * (v_t - predicted)  # delta rule: write the error, step beta
+        state = state + k_t[..., :, None] * u_t[..., None, :]  # outer product (B, Hv, E, 1) x (B, Hv, 1, Ev)
+        outs.append((q_t[:, :, None, :] @ state)[:, :, 0])  # (B, Hv, 1, E) x (B, Hv, E, Ev): the UPDATED state
+    out = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)  # (B, Hv, L, Ev)
+    return out, state
+
+
+def _delta_rule_chunked(q, k, v, g, beta, state, chunk_size):
+    """The chunked (WY/UT) form: equal to `_delta_rule_recurrent`, with matmuls inside each chunk.
+
+    Same arguments (``beta`` required); the last chunk is shorter when ``L`` is not a
+    multiple of ``chunk_size`` (no padding), so no chunk reads past the sequence.
+    """
+    outs = []
+    for start in range(0, q.shape[2], chunk_size):
+        chunk = slice(start, start + chunk_size)
+        q_c, k_c, v_c, g_c = q[:, :, chunk], k[:, :, chunk], v[:, :, chunk], g[:, :, chunk]  # (B, Hv, C, .)
+        beta_c = beta[:, :, chunk, None]  # (B, Hv, C, 1)
+        C = q_c.shape[2]
+        gamma = g_c.cumsum(dim=2)  # (B, Hv, C, 1 or E): log decay from the chunk's entry to token i
+        # the UT system: A = I + strictly_lower(diag(beta) K K^T * D), unit lower-triangular
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        A = eye + _decayed_scores(beta_c * k_c, k_c, gamma, diagonal=False)  # (B, Hv, C, C)
+        U = torch.linalg.solve_triangular(A, beta_c * v_c, upper=False, unitriangular=True)  # (B, Hv, C, Ev)
+        W = torch.linalg.solve_triangular(A, beta_c * k_c * gamma.exp(), upper=False,
+                                          unitriangular=True)  # (B, Hv, C, E)
+        v_new = U - W @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): what is written
+        inter = (q_c * gamma.exp()) @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): the entry state
+        intra = _decayed_scores(q_c, k_c, gamma, diagonal=True) @ v_new  # (B, Hv, C, C) x (B, Hv, C, Ev)
+        outs.append(inter + intra)  # (B, Hv, C, Ev)
+        gamma_last = gamma[:, :, -1:]  # (B, Hv, 1, 1 or E): the whole chunk's log decay
+        state = (gamma_last.transpose(-1, -2).exp() * state  # rows of (B, Hv, E, Ev) decay
+                 + (k_c * (gamma_last - gamma).exp()).transpose(-1, -2) @ v_new)  # (B, Hv, E, C) x (B, Hv, C, Ev)
+    out = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)  # (B, Hv, L, Ev)
+    return out, state
+
+
+def _gated_linear_quadratic(q, k, v, g, state):
+    """``(L * Q K^T) V`` with ``L_ij = exp(g_{j+1} + ... + g_i)``, plus the entry state's share.
+
+    q, k: ``(B, Hv, L, E)``; v: ``(B, Hv, L, Ev)``; g: ``(B, Hv, L)``; state ``(B, Hv, E, Ev)``.
+    """
+    decay = _segment_sum(g).exp()  # (B, Hv, L, L), lower-triangular, 1 on the diagonal
+    scores = (q @ k.transpose(-1, -2)) * decay  # (B, Hv, L, E) x (B, Hv, E, L) -> (B, Hv, L, L)
+    gamma = g.cumsum(dim=-1)[..., None]  # (B, Hv, L, 1): log decay from the start to token i
+    out = scores @ v + (q * gamma.exp()) @ state  # (B, Hv, L, L) x (B, Hv, L, Ev) + (B, Hv, L, E) x (E, Ev)
+    if q.shape[2] == 0:
+        return out, state
+    to_end = decay[:, :, -1, :, None]  # (B, Hv, L, 1): exp(g_{j+1} + ... + g_L), decay of token j's write
+    state = gamma[:, :, -1:].exp() * state + (k * to_end).transpose(-1, -2) @ v  # (B, Hv, E, L) x (B, Hv, L, Ev)
+    return out, state
+
+
+# --- dispatch: layouts, heads, dtypes, packed sequences ------------------------------------------
+
+
+def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scale, use_qk_l2norm, **kw):
+    """Bring the public ``(B, L, H, .)`` tensors to ``(B, Hv, L, .)`` in the compute dtype, run
+    ``form`` per sequence (``bounds`` from ``cu_seqlens``, or the whole batch) and bring the
+    output back."""
+    B, L, H, E = q.shape
+    Hv, Ev = v.shape[2], v.shape[3]
+    out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * (E**-0.5 if scale is None else scale)
+    group = Hv // H
+    q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))  # (B, L, H, E) -> (B, L, Hv, E)
+    q, k, v, g = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g))  # (B, L, Hv, .) -> (B, Hv, L, .)
+    beta = None if beta is None else beta.transpose(1, 2).to(dtype)  # (B, L, Hv) -> (B, Hv, L)
+    if bounds is None:
+        bounds, batch_states = [0, L], [initial_state]
+    else:
+        batch_states = [None if initial_state is None else initial_state[n:n + 1] for n in range(len(bounds) - 1)]
+    outs, finals = [], []
+    for n, state in enumerate(batch_states):
+        seq = slice(bounds[n], bounds[n + 1])
+        rows = B if len(batch_states) == 1 else 1
+        state = q.new_zeros(rows, Hv, E, Ev) if state is None else state.to(dtype)  # (B or 1, Hv, E, Ev)
+        out, state = form(q[:, :, seq], k[:, :, seq], v[:, :, seq], g[:, :, seq],
+                          *(() if beta is None else (beta[:, :, seq],)), state, **kw)
+        outs.append(out)
+        finals.append(state)
+    out = torch.cat(outs, dim=2).transpose(1, 2).to(out_dtype)  # (B, Hv, L, Ev) -> (B, L, Hv, Ev)
+    return out, (torch.cat(finals, dim=0) if output_final_state else None)
+
+
+def _prepare_delta(name_g, q, k, v, g, beta, g_shape, g_layout, initial_state, mode, chunk_size, cu_seqlens,
+                   scale):
+    B, L, _, Hv, E, Ev = _check_qkv(q, k, v)
+    g = _check_like(name_g, g, g_shape(B, L, Hv, E), g_layout, q)
+    _check_log_gate(name_g, g)
+    beta = _check_like("beta", beta, (B, L, Hv), "(B, L, Hv)", q)
+    _check_mode(mode, _DELTA_MODES)
+    check_positive_int("chunk_size", chunk_size)
+    check_scale(scale)
+    bounds = _check_cu_seqlens(cu_seqlens, B, L)
+    N = B if bounds is None else len(bounds) - 1
+    initial_state = _check_state(initial_state, N, Hv, E, Ev, q, bounds is not None)
+    return g, beta, initial_state, bounds
+
+
+# --- public functions ----------------------------------------------------------------------------
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mode: str = "recurrent",
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Gated DeltaNet (Qwen3-Next, Qwen3.5): the delta rule with a scalar decay per head.
+
+    For each batch row and value head, from ``S_0 = initial_state`` (zeros if None):
+
+    $$
+    S \leftarrow e^{g_t} S_{t-1}, \qquad
+    u_t = \beta_t\,(v_t - S^\top k_t), \qquad
+    S_t = S + k_t u_t^\top, \qquad
+    o_t = S_t^\top q_t ,
+    $$
+
+    that is ``S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, with
+    ``q`` and ``k`` first L2-normalised (`l2_normalize`, when ``use_qk_l2norm``) and
+    ``q`` multiplied by ``scale``. The output reads the *updated* state, so token
+    ``t`` sees itself. ``mode="recurrent"`` runs this loop (what decoding runs);
+    ``mode="chunked"`` computes the same numbers with the WY/UT transform of the
+    module docstring, ``chunk_size`` tokens at a time. The two are equal up to
+    rounding (the tests hold them to 1e-12 in float64, gradients included).
+
+    Equals transformers' ``torch_recurrent_gated_delta_rule`` and
+    ``torch_chunk_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=True``, in the
+    same layout.
+
+    Args:
+        q: ``(B, L, H, E)`` queries.
+        k: ``(B, L, H, E)`` keys.
+        v: ``(B, L, Hv, Ev)`` values; ``Hv`` a multiple of ``H``, value head ``j`` reads
+            query/key head ``j // (Hv // H)``.
+        g: ``(B, L, Hv)`` log decay, ``<= 0``: the state is multiplied by ``exp(g_t)``.
+        beta: ``(B, L, Hv)`` step size of the delta rule, usually in ``(0, 1)``.
+        initial_state: ``(B, Hv, E, Ev)`` state before the first token (``(N, Hv, E, Ev)``
+            with ``cu_seqlens``: one per sequence); zeros if None.
+        output_final_state: also return the state after the last token.
+        mode: ``"recurrent"`` or ``"chunked"``.
+        chunk_size: tokens per chunk in chunked mode; the last chunk may be shorter.
+        cu_seqlens: ``(N + 1,)`` cumulative lengths of ``N`` sequences packed along ``L``
+            (``B`` must be 1): each starts from its own initial state and no chunk
+            crosses a boundary.
+        scale: multiplies the queries; ``E ** -0.5`` if None.
+        use_qk_l2norm: L2-normalise ``q`` and ``k`` first (as Qwen3-Next does).
+
+    Returns:
+        ``(out, final_state)``: ``out`` ``(B, L, Hv, Ev)`` in ``v``'s dtype;
+        ``final_state`` ``(B, Hv, E, Ev)`` (``(N, Hv, E, Ev)`` with ``cu_seqlens``) in at
+        least float32, or None unless ``output_final_state``.
+
+    Raises:
+        TypeError: an argument is not a tensor, not floating point (``cu_seqlens``: not
+            integer), or ``q``, ``k``, ``v`` differ in dtype.
+        ValueError: a shape does not match the ones above, ``Hv`` is not a multiple of
+            ``H``, ``g`` has a positive entry (a linear-space gate), ``mode`` is unknown,
+            ``chunk_size`` or ``scale`` is not positive, or ``cu_seqlens`` is not
+            ``0 <= ... <= L`` with ``B == 1``.
+
+    Example:
+        >>> import torch
+        >>> q, k = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4)
+        >>> v, g, beta = torch.randn(1, 5, 2, 3), -torch.rand(1, 5, 2), torch.rand(1, 5, 2)
+        >>> out, state = gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        >>> out.shape, state.shape
+        (torch.Size([1, 5, 2, 3]), torch.Size([1, 2, 4, 3]))
+    """
+    g, beta, initial_state, bounds = _prepare_delta(
+        "g", q, k, v, g, beta, lambda B, L, Hv, E: (B, L, Hv), "(B, L, Hv)", initial_state, mode, chunk_size,
+        cu_seqlens, scale)
+    g = g[..., None]  # (B, L, Hv) -> (B, L, Hv, 1): one decay for all key channels
+    if mode == "recurrent":
+        return _run(_delta_rule_recurrent, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
+                    use_qk_l2norm)
+    return _run(_delta_rule_chunked, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
+                use_qk_l2norm, chunk_size=chunk_size)
+
+
+def kimi_delta_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mode: str = "recurrent",
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Kimi Delta Attention (Kimi Linear): `gated_delta_rule` with a decay per key channel.
+
+    $$
+    S_t = (I - \beta_t k_t k_t^\top)\, \operatorname{diag}(e^{g_t})\, S_{t-1}
+          + \beta_t k_t v_t^\top, \qquad o_t = S_t^\top q_t ,
+    $$
+
+    ``g_t`` has one log decay per key channel, so row ``e`` of the state fades at its
+    own rate. With all channels equal it is `gated_delta_rule`. The chunked form
+    is the same as there, with the decay ``D`` of each score taken per channel,
+    ``sum_e q_ie k_je exp(Gamma_ie - Gamma_je)``.
+
+    Equals transformers' ``recurrent_kimi_delta_attention`` and
+    ``chunk_kimi_delta_attention`` (Kimi Linear) with ``use_qk_l2norm_in_kernel=True``.
+
+    Args:
+        q: ``(B, L, H, E)`` queries.
+        k: ``(B, L, H, E)`` keys.
+        v: ``(B, L, Hv, Ev)`` values; ``Hv`` a multiple of ``H`` (Kimi Linear has ``Hv == H``).
+        g: ``(B, L, Hv, E)`` log decay per key channel, ``<= 0``.
+        beta: ``(B, L, Hv)`` step size of the delta rule.
+        initial_state: ``(B, Hv, E, Ev)`` (``(N, Hv, E, Ev)`` with ``cu_seqlens``); zeros if None.
+        output_final_state: also return the state after the last token.
+        mode: ``"recurrent"`` or ``"chunked"``.
+        chunk_size: tokens per chunk in chunked mode.
+        cu_seqlens: ``(N + 1,)`` cumulative lengths of sequences packed along ``L`` (``B == 1``).
+        scale: multiplies the queries; ``E ** -0.5`` if None.
+        use_qk_l2norm: L2-normalise ``q`` and ``k`` first.
+
+    Returns:
+        ``(out, final_state)`` as in `gated_delta_rule`.
+
+    Raises:
+        TypeError: as in `gated_delta_rule`.
+        ValueError: as in `gated_delta_rule`; ``g`` must be ``(B, L, Hv, E)``.
+
+    Example:
+        >>> import torch
+        >>> q, k = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4)
+        >>> v, beta = torch.randn(1, 5, 2, 3), torch.rand(1, 5, 2)
+        >>> g = -torch.rand(1, 5, 2, 4)                 # one decay per key channel
+        >>> out, _ = kimi_delta_attention(q, k, v, g, beta, mode="chunked", chunk_size=2)
+        >>> out.shape
+        torch.Size([1, 5, 2, 3])
+    """
+    g, beta, initial_state, bounds = _prepare_delta(
+        "g", q, k, v, g, beta, lambda B, L, Hv, E: (B, L, Hv, E), "(B, L, Hv, E)", initial_state, mode,
+        chunk_size, cu_seqlens, scale)
+    if mode == "recurrent":
+        return _run(_delta_rule_recurrent, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
+                    use_qk_l2norm)
+    return _run(_delta_rule_chunked, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
+                use_qk_l2norm, chunk_size=chunk_size)
+
+
+def _gated_linear_recurrent(q, k, v, g, state):
+    return _delta_rule_recurrent(q, k, v, g, None, state)  # no beta: no delta term
+
+
+def _quadratic_form(q, k, v, g, state):
+    return _gated_linear_quadratic(q, k, v, g[..., 0], state)  # g: (B, Hv, L, 1) -> (B, Hv, L)
+
+
+def gated_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mode: str = "recurrent",
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Causal linear attention with a scalar decay per head (fla's ``simple_gla``; SSD's core).
+
+    $$
+    S_t = e^{g_t} S_{t-1} + k_t v_t^\top, \qquad o_t = S_t^\top q_t
+    \qquad\Longleftrightarrow\qquad
+    O = (\mathcal{L} \odot Q K^\top) V, \quad
+    \mathcal{L}_{ij} = e^{g_{j+1} + \dots + g_i}\ (j \le i), \ 0\ (j > i),
+    $$
+
+    plus ``(Q * exp(Gamma)) S_0`` for an initial state. ``mode="recurrent"`` runs the
+    loop, ``mode="quadratic"`` the matrix form (``L x L`` scores, like softmax
+    attention without the softmax). No normalisation of ``q`` and ``k``. It is
+    `gated_delta_rule` without the delta term, and its limit for ``beta -> 0``:
+    ``gated_delta_rule(..., beta=eps) / eps -> gated_linear_attention(...)``.
+
+    Args:
+        q: ``(B, L, H, E)`` queries.
+        k: ``(B, L, H, E)`` keys.
+        v: ``(B, L, Hv, Ev)`` values, ``Hv`` a multiple of ``H``.
+        g: ``(B, L, Hv)`` log decay, ``<= 0``.
+        initial_state: ``(B, Hv, E, Ev)`` (``(N, Hv, E, Ev)`` with ``cu_seqlens``); zeros if None.
+        output_final_state: also return the state after the last token.
+        mode: ``"recurrent"`` or ``"quadratic"``.
+        cu_seqlens: ``(N + 1,)`` cumulative lengths of sequences packed along ``L`` (``B == 1``).
+        scale: multiplies the queries; ``E ** -0.5`` if None.
+
+    Returns:
+        ``(out, final_state)``: ``out`` ``(B, L, Hv, Ev)`` in ``v``'s dtype, the state
+        in at least float32 or None.
+
+    Raises:
+        TypeError: as in `gated_delta_rule`.
+        ValueError: as in `gated_delta_rule`.
+
+    Example:
+        >>> import torch
+        >>> q, k, v = torch.randn(1, 6, 1, 4), torch.randn(1, 6, 1, 4), torch.randn(1, 6, 1, 2)
+        >>> g = -torch.rand(1, 6, 1)
+        >>> loop, _ = gated_linear_attention(q, k, v, g)
+        >>> matrix, _ = gated_linear_attention(q, k, v, g, mode="quadratic")
+        >>> torch.allclose(loop, matrix, atol=1e-5)
+        True
+    """
+    B, L, _, Hv, E, Ev = _check_qkv(q, k, v)
+    g = _check_like("g", g, (B, L, Hv), "(B, L, Hv)", q)
+    _check_log_gate("g", g)
+    _check_mode(mode, _QUADRATIC_MODES)
+    check_scale(scale)
+    bounds = _check_cu_seqlens(cu_seqlens, B, L)
+    N = B if bounds is None else len(bounds) - 1
+    initial_state = _check_state(initial_state, N, Hv, E, Ev, q, bounds is not None)
+    form = _gated_linear_recurrent if mode == "recurrent" else _quadratic_form
+    return _run(form, q, k, v, g[..., None], None, initial_state, output_final_state, bounds, scale, False)
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    normalize: bool = False,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mode: str = "recurrent",
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Plain causal linear attention ([Katharopoulos et al. 2020](https://arxiv.org/abs/2006.16236)).
+
+    $$
+    o_t = \sum_{j \le t} (q_t \cdot k_j)\, v_j
+    \quad\text{or, normalised,}\quad
+    o_t = \frac{\sum_{j \le t} (q_t \cdot k_j)\, v_j}{\sum_{j \le t} q_t \cdot k_j} .
+    $$
+
+    Softmax attention with ``exp(q . k)`` replaced by ``q . k``: `gated_linear_attention`
+    with ``g = 0``. The normaliser is the same sum with a value of 1, so it runs as one
+    more value column: the state is then ``(B, Hv, E, Ev + 1)``, its last column the
+    running key sum ``z_t = k_1 + ... + k_t``. Normalised attention needs positive
+    scores: apply a positive feature map to ``q`` and ``k`` first (the paper's
+    ``elu(x) + 1``); a zero denominator gives ``inf`` or ``nan``, as the formula does.
+
+    Args:
+        q: ``(B, L, H, E)`` queries (after the feature map).
+        k: ``(B, L, H, E)`` keys (after the feature map).
+        v: ``(B, L, Hv, Ev)`` values, ``Hv`` a multiple of ``H``.
+        normalize: divide by the running sum of the scores.
+        initial_state: ``(B, Hv, E, Ev)``, or ``(B, Hv, E, Ev + 1)`` with ``normalize``.
+        output_final_state: also return the state after the last token.
+        mode: ``"recurrent"`` or ``"quadratic"``.
+        scale: multiplies the queries (it cancels when normalised); ``E ** -0.5`` if None.
+
+    Returns:
+        ``(out, final_state)``: ``out`` ``(B, L, Hv, Ev)``; the state or None.
+
+    Raises:
+        TypeError: as in `gated_delta_rule`, or ``normalize`` not a bool.
+        ValueError: as in `gated_delta_rule`.
+
+    Example:
+        >>> import torch
+        >>> q = k = torch.ones(1, 3, 1, 2)
+        >>> v = torch.tensor([1.0, 2.0, 6.0]).reshape(1, 3, 1, 1)
+        >>> out, _ = linear_attention(q, k, v, normalize=True)
+        >>> out.flatten().tolist()                  # the running mean of v
+        [1.0, 1.5, 3.0]
+    """
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    B, L, _, Hv, _, _ = _check_qkv(q, k, v)
+    if normalize:
+        v = torch.cat([v, v.new_ones(B, L, Hv, 1)], dim=-1)  # (B, L, Hv, Ev) -> (B, L, Hv, Ev + 1)
+    g = v.new_zeros(B, L, Hv)  # no decay
+    out, state = gated_linear_attention(q, k, v, g, initial_state=initial_state,
+                                        output_final_state=output_final_state, mode=mode, scale=scale)
+    if normalize:
+        out = out[..., :-1] / out[..., -1:]  # (B, L, Hv, Ev) / (B, L, Hv, 1)
+    return out, state
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mode: str = "quadratic",
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Mamba-2's state space duality (SSD, [Dao & Gu 2024](https://arxiv.org/abs/2405.21060)).
+
+    $$
+    h_t = e^{\Delta_t A} h_{t-1} + B_t (\Delta_t x_t)^\top, \qquad y_t = h_t^\top C_t + D x_t ,
+    $$
+
+    in Mamba-2's names, which is `gated_linear_attention` with ``q = C``, ``k = B``,
+    ``v = dt * x``, ``g = dt * A`` and ``scale = 1``: a scalar decay per head and no
+    delta term. ``mode="quadratic"`` computes the "attention" form
+    ``Y = (L * C B^T) (dt X)`` with the 1-semiseparable ``L_ij = exp(sum_{k=j+1..i} dt_k A)``
+    (the segment sum of transformers' ``mamba2``); ``mode="recurrent"`` the scan.
+    The state is ``(batch, H, N, P)`` here (key channels first); Mamba-2's
+    ``ssm_state`` is ``(batch, H, P, N)``: convert with `state_kv_to_vk`.
+
+    Args:
+        x: ``(batch, L, H, P)`` inputs, ``P`` the head size.
+        dt: ``(batch, L, H)`` step sizes, ``>= 0`` (after Mamba-2's ``softplus(dt + dt_bias)``).
+        A: ``(H,)`` decay rates, ``<= 0`` (Mamba-2 stores ``A_log``: ``A = -exp(A_log)``).
+        B: ``(batch, L, G, N)`` input projections, ``G`` groups; head ``h`` reads group
+            ``h // (H // G)``.
+        C: ``(batch, L, G, N)`` output projections.
+        D: ``(H,)`` skip connection, or None for none.
+        initial_state: ``(batch, H, N, P)`` (``(n, H, N, P)`` with ``cu_seqlens``); zeros if None.
+        output_final_state: also return the state after the last token.
+        mode: ``"quadratic"`` or ``"recurrent"``.
+        cu_seqlens: cumulative lengths of sequences packed along ``L`` (``batch == 1``).
+
+    Returns:
+        ``(y, final_state)``: ``y`` ``(batch, L, H, P)``; the state ``(batch, H, N, P)`` or None.
+
+    Raises:
+        TypeError: an argument is not a floating-point tensor, or their dtypes differ.
+        ValueError: a shape does not match, ``H`` is not a multiple of ``G``, ``dt`` is
+            negative or ``A`` positive, ``mode`` is unknown, or as
+            in `gated_linear_attention`.
+
+    Example:
+        >>> import torch
+        >>> x, dt = torch.randn(1, 6, 2, 3), torch.rand(1, 6, 2)
+        >>> A, B, C = -torch.rand(2), torch.randn(1, 6, 1, 4), torch.randn(1, 6, 1, 4)
+        >>> y, _ = ssd(x, dt, A, B, C)
+        >>> y_scan, _ = ssd(x, dt, A, B, C, mode="recurrent")
+        >>> torch.allclose(y, y_scan, atol=1e-5)
+        True
+    """
+    x = require_float_tensor("x", x, 4, "(batch, L, H, P)")
+    if x.dim() != 4:
+        raise ValueError(f"x must have 4 dims (batch, L, H, P), got shape {fmt_shape(x.shape)}")
+    batch, L, H, _ = x.shape
+    dt = _check_like("dt", dt, (batch, L, H), "(batch, L, H)", x)
+    A = _check_like("A", A, (H,), "(H,)", x)
+    B = require_float_tensor("B", B, 4, "(batch, L, G, N)")
+    if B.dim() != 4 or B.shape[:2] != x.shape[:2]:
+        raise ValueError(f"B must have shape (batch, L, G, N) with (batch, L)={fmt_shape(x.shape[:2])}, "
+                         f"got {fmt_shape(B.shape)}")
+    C = _check_like("C", C, tuple(B.shape), "(batch, L, G, N)", x)
+    require_same_dtype_and_device(x=x, dt=dt, A=A, B=B, C=C)
+    if H % B.shape[2] != 0:
+        raise ValueError(f"x's heads H={H} must be a multiple of the groups G={B.shape[2]} of B and C")
+    _check_mode(mode, ("quadratic", "recurrent"))
+    if D is not None:
+        D = _check_like("D", D, (H,), "(H,)", x)
+    if dt.numel() and bool((dt < 0).any()):
+        raise ValueError(f"dt must be >= 0, got a minimum of {dt.min().item():.4g}")
+    if bool((A > 0).any()):
+        raise ValueError(f"A must be <= 0 (A = -exp(A_log)), got a maximum of {A.max().item():.4g}")
+    v = x * dt[..., None]  # (batch, L, H, P): the value written is dt * x
+    g = dt * A  # (batch, L, H): log decay
+    y, state = gated_linear_attention(C, B, v, g, initial_state=initial_state, output_final_state=output_final_state,
+                                      mode=mode, cu_seqlens=cu_seqlens, scale=1.0)
+    if D is not None:
+        y = y + x * D[:, None]  # (batch, L, H, P) + (batch, L, H, P) * (H, 1)
+    return y, state
+
+
+# --- conventions at the boundary ----------------------------------------------------------------
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    r"""Divide each vector of the last dim by its length: ``x / sqrt(sum(x**2) + eps)``.
+
+    The normalisation Gated DeltaNet and Kimi Delta Attention apply to queries and
+    keys ("``use_qk_l2norm_in_kernel``"), with ``eps`` inside the square root as in
+    fla and transformers. Unit keys keep the delta rule's step ``I - beta k k^T``
+    a contraction for ``beta`` in ``[0, 2]``.
+
+    Args:
+        x: ``(..., E)`` floating-point tensor.
+        eps: added to the squared length before the square root.
+
+    Returns:
+        ``(..., E)``, same dtype.
+
+    Example:
+        >>> import torch
+        >>> l2_normalize(torch.tensor([3.0, 4.0]), eps=0.0)
+        tensor([0.6000, 0.8000])
+    """
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def state_kv_to_vk(state: torch.Tensor) -> torch.Tensor:
+    """Convert a state from this module's ``(..., E, Ev)`` layout to ``(..., Ev, E)``.
+
+    fla and transformers' Qwen3-Next store the state key channels first, ``(B, Hv,
+    E, Ev)``, read as ``o = S^T q``; Mamba-2's ``ssm_state`` ``(B, H, headdim,
+    d_state)`` and flashinfer's GDN state are value channels first ("k-last"),
+    read as ``o = S q``.
+
+    Args:
+        state: ``(..., E, Ev)``.
+
+    Returns:
+        ``(..., Ev, E)``, a contiguous copy.
+
+    Raises:
+        TypeError: ``state`` is not a tensor.
+        ValueError: ``state`` has fewer than 2 dims.
+
+    Example:
+        >>> import torch
+        >>> state_kv_to_vk(torch.zeros(2, 4, 3)).shape
+        torch.Size([2, 3, 4])
+    """
+    state = require_tensor("state", state)
+    if state.dim() < 2:
+        raise ValueError(f"state must have at least 2 dims (..., E, Ev), got shape {fmt_shape(state.shape)}")
+    return state.transpose(-1, -2).contiguous()  # (..., E, Ev) -> (..., Ev, E)
+
+
+def state_vk_to_kv(state: torch.Tensor) -> torch.Tensor:
+    """Convert a state from the ``(..., Ev, E)`` layout (Mamba-2, flashinfer) to ``(..., E, Ev)``.
+
+    The inverse of `state_kv_to_vk`.
+
+    Args:
+        state: ``(..., Ev, E)``.
+
+    Returns:
+        ``(..., E, Ev)``, a contiguous copy.
+
+    Raises:
+        TypeError: ``state`` is not a tensor.
+        ValueError: ``state`` has fewer than 2 dims.
+
+    Example:
+        >>> import torch
+        >>> s = torch.randn(2, 4, 3)
+        >>> torch.equal(state_vk_to_kv(state_kv_to_vk(s)), s)
+        True
+    """
+    state = require_tensor("state", state)
+    if state.dim() < 2:
+        raise ValueError(f"state must have at least 2 dims (..., Ev, E), got shape {fmt_shape(state.shape)}")
+    return state.transpose(-1, -2).contiguous()  # (..., Ev, E) -> (..., E, Ev)
