@@ -13,17 +13,32 @@ multiply-add FLOPs (one multiply-add counts 2), i.e. ``O(n d^2 + n^2 d)`` for
 ``n = L = S``: the projections dominate for short sequences, the ``n x n``
 score matrix for long ones. Softmax and masking (``O(B H L S)``) are not counted,
 as ``torch.utils.flop_counter.FlopCounterMode`` does not count them either.
+
+Generating text keeps a KV cache, and its size is the other cost that decides what a model
+can serve. Per token, a layer of grouped-query attention stores a key and a value per
+key/value head (`kv_bytes_per_token`), a layer of multi-head latent attention one
+compressed latent and one shared RoPE key (`latent_kv_bytes_per_token`), a layer with a
+sliding window or a chunk at most that many tokens (`cached_tokens`), and a linear-attention
+layer a fixed state instead (`linear_state_bytes`); `kv_cache_bytes` adds the layers of a
+model up for one sequence.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from attention_ref._validation import check_positive_int
 
 __all__ = [
     "attention_flops",
     "attention_memory_bytes",
+    "cached_tokens",
     "causal_pairs",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "latent_kv_bytes_per_token",
     "layer_flops",
+    "linear_state_bytes",
     "parameter_count",
     "projection_flops",
     "sliding_window_pairs",
@@ -177,3 +192,133 @@ def attention_memory_bytes(B: int, H: int, L: int, S: int, E: int, Ev: int, *, b
         "output": B * H * L * Ev * per,
         "weights": B * H * L * S * per if materialize_weights else 0,
     }
+
+
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, *, bytes_per_element: int = 2) -> int:
+    r"""Bytes one attention layer adds to its KV cache per token.
+
+    Each of the ``Hkv = num_kv_heads`` key/value heads stores one key of size
+    ``E = head_dim`` and one value of size ``Ev = v_head_dim`` (defaults to ``E``):
+
+    $$
+    H_{kv}\,(E + E_v) \times \text{bytes per element}
+    $$
+
+    which is ``2 Hkv E`` elements when ``Ev = E``. Multi-head attention has ``Hkv = H``,
+    grouped-query attention fewer, multi-query attention 1; the number of query heads does
+    not enter. ``bytes_per_element`` is 2 for bfloat16 and float16 (the default), 4 for
+    float32, 1 for an 8-bit cache (its scales not counted).
+
+    Examples:
+        >>> kv_bytes_per_token(8, 128)  # Llama-3-8B: 8 key/value heads of 128, bfloat16
+        4096
+    """
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    check_positive_int("num_kv_heads", num_kv_heads)
+    check_positive_int("head_dim", head_dim)
+    check_positive_int("v_head_dim", v_head_dim)
+    check_positive_int("bytes_per_element", bytes_per_element)
+    return num_kv_heads * (head_dim + v_head_dim) * bytes_per_element
+
+
+def latent_kv_bytes_per_token(kv_lora_rank: int, rope_head_dim: int, *, bytes_per_element: int = 2) -> int:
+    r"""Bytes one multi-head latent attention (MLA) layer adds to its cache per token.
+
+    MLA (DeepSeek-V2/V3) caches, per token, one compressed latent ``c_KV`` of size
+    ``kv_lora_rank`` and one RoPE key of size ``rope_head_dim`` shared by all heads; the
+    per-head keys and values are re-expanded from the latent (or the expansion is absorbed
+    into the query and output projections):
+
+    $$
+    (d_c + d_R) \times \text{bytes per element}
+    $$
+
+    whatever the number of heads. Transformers caches these two tensors
+    (``DeepseekV3Attention``), as do the absorbed decode kernels (FlashMLA's 576 = 512 + 64).
+
+    Examples:
+        >>> latent_kv_bytes_per_token(512, 64)  # DeepSeek-V3, bfloat16
+        1152
+    """
+    check_positive_int("kv_lora_rank", kv_lora_rank)
+    check_positive_int("rope_head_dim", rope_head_dim, allow_zero=True)
+    check_positive_int("bytes_per_element", bytes_per_element)
+    return (kv_lora_rank + rope_head_dim) * bytes_per_element
+
+
+def cached_tokens(context: int, window: int | None = None) -> int:
+    """Tokens a layer must hold to attend from the next position of a ``context``-token sequence.
+
+    A layer of full (causal) attention holds all ``context`` tokens. A layer with a sliding
+    window of ``w`` holds the ``w`` most recent, the keys its newest query sees (itself
+    included, as `sliding_window_pairs` counts them): ``min(context, w)``. A chunked layer
+    (Llama 4's ``attention_chunk_size``) holds at most its chunk, so passing the chunk size as
+    ``window`` gives the most it holds. Transformers' sliding cache stores ``w - 1`` tokens
+    between steps and appends the new one before attending.
+
+    Examples:
+        >>> cached_tokens(32768), cached_tokens(32768, window=4096), cached_tokens(100, window=4096)
+        (32768, 4096, 100)
+    """
+    check_positive_int("context", context, allow_zero=True)
+    if window is None:
+        return context
+    check_positive_int("window", window)
+    return min(context, window)
+
+
+def kv_cache_bytes(layers: Iterable[tuple[int, int | None]], context: int) -> int:
+    r"""Bytes of a model's KV cache for one sequence of ``context`` tokens.
+
+    ``layers`` holds one ``(bytes_per_token, window)`` pair per layer: what the layer stores
+    per token (`kv_bytes_per_token`, `latent_kv_bytes_per_token`) and its window (``None``
+    for full attention). The total is
+
+    $$
+    \sum_{\text{layers}} \text{bytes per token} \times \min(\text{context}, w)
+    $$
+
+    (`cached_tokens`). Multiply by the batch size for several sequences. A linear-attention
+    layer stores no tokens: leave it out, and add its fixed `linear_state_bytes`.
+
+    Examples:
+        >>> kv_cache_bytes([(4096, None)] * 32, 8192) // 2**30  # Llama-3-8B, 8k tokens: 1 GiB
+        1
+        >>> kv_cache_bytes([(4096, None), (4096, 1024)], 8192) // 4096  # a full and a local layer
+        9216
+    """
+    check_positive_int("context", context, allow_zero=True)
+    total = 0
+    for index, layer in enumerate(layers):
+        if not (isinstance(layer, tuple) and len(layer) == 2):
+            raise TypeError(f"layers[{index}] must be a (bytes_per_token, window) pair, got {layer!r}")
+        per_token, window = layer
+        check_positive_int(f"layers[{index}] bytes_per_token", per_token, allow_zero=True)
+        total += per_token * cached_tokens(context, window)
+    return total
+
+
+def linear_state_bytes(num_heads: int, key_dim: int, value_dim: int, *, bytes_per_element: int = 2) -> int:
+    r"""Bytes of the recurrent state of one linear-attention layer, for one sequence.
+
+    Linear attention (and the gated delta rule of Qwen3-Next, Kimi Linear) replaces the KV
+    cache by one ``key_dim x value_dim`` matrix per head, updated at every token: a fixed
+    size, whatever the length of the sequence,
+
+    $$
+    H \, d_k \, d_v \times \text{bytes per element}.
+    $$
+
+    ``num_heads`` counts the heads that own a state (the value heads of Qwen3-Next's gated
+    delta rule). The short convolution some layers keep before it is not counted. Many
+    implementations keep this state in float32 (``bytes_per_element=4``).
+
+    Examples:
+        >>> linear_state_bytes(32, 128, 128) // 2**20  # Qwen3-Next: 32 heads of 128 x 128, MiB
+        1
+    """
+    check_positive_int("num_heads", num_heads)
+    check_positive_int("key_dim", key_dim)
+    check_positive_int("value_dim", value_dim)
+    check_positive_int("bytes_per_element", bytes_per_element)
+    return num_heads * key_dim * value_dim * bytes_per_element

@@ -13,16 +13,27 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from attention_ref import MultiHeadAttention, attention_weights, causal_mask, scaled_dot_product_attention
+from attention_ref import (
+    MultiHeadAttention,
+    attention_weights,
+    causal_mask,
+    scaled_dot_product_attention,
+)
 from attention_ref.complexity import (
     attention_flops,
     attention_memory_bytes,
+    cached_tokens,
     causal_pairs,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    latent_kv_bytes_per_token,
     layer_flops,
+    linear_state_bytes,
     parameter_count,
     projection_flops,
     sliding_window_pairs,
 )
+from attention_ref.kv_cache import KVCache
 
 
 def _count(fn, *args, **kwargs) -> int:
@@ -153,3 +164,112 @@ def test_sliding_window_pairs_equal_the_window_mask_sum(L, window):
 def test_sliding_window_pairs_rejects_a_window_below_one():
     with pytest.raises(ValueError, match="window"):
         sliding_window_pairs(4, 0)
+
+
+# --- KV-cache bytes ------------------------------------------------------------------------
+
+
+def _tensor_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(1, 7), (3, 5), (2, 16)])
+def test_kv_bytes_per_token_equal_our_kv_cache(num_kv_heads, head_dim, dtype):
+    length = 13
+    cache = KVCache(batch=1, num_kv_heads=num_kv_heads, max_length=length, head_dim=head_dim, dtype=dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    assert cache.memory_bytes == length * kv_bytes_per_token(num_kv_heads, head_dim, bytes_per_element=size)
+
+
+def test_kv_bytes_per_token_counts_keys_and_values_of_different_sizes():
+    B, Hkv, T, E, Ev = 1, 3, 11, 7, 5
+    k, v = torch.empty(B, Hkv, T, E, dtype=torch.bfloat16), torch.empty(B, Hkv, T, Ev, dtype=torch.bfloat16)
+    assert _tensor_bytes(k, v) == T * kv_bytes_per_token(Hkv, E, Ev)
+    assert kv_bytes_per_token(8, 128) == 2 * 8 * 128 * 2  # the usual 2 Hkv E bytes in bfloat16
+
+
+def _transformers_cache_after(config, model_class, tokens: int):
+    """The per-layer tensors a tiny transformers model stores in its DynamicCache."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    cache = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, tokens)), past_key_values=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def test_kv_cache_bytes_equal_what_transformers_stores_for_grouped_query_attention():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=48, intermediate_size=32, num_hidden_layers=3,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    tokens = 11
+    layers = _transformers_cache_after(config, transformers.LlamaForCausalLM, tokens)
+    stored = sum(_tensor_bytes(k, v) for k, v in layers)
+    size = layers[0][0].element_size()
+    per_token = kv_bytes_per_token(2, 8, bytes_per_element=size)
+    assert stored == kv_cache_bytes([(per_token, None)] * 3, tokens)
+
+
+def test_latent_kv_bytes_equal_what_transformers_stores_for_deepseek_v3():
+    transformers = pytest.importorskip("transformers")
+    rank, rope = 16, 8
+    config = transformers.DeepseekV3Config(
+        vocab_size=50, hidden_size=64, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=12, v_head_dim=10,
+        n_routed_experts=4, num_experts_per_tok=2)
+    tokens = 11
+    layers = _transformers_cache_after(config, transformers.DeepseekV3ForCausalLM, tokens)
+    size = layers[0][0].element_size()
+    per_token = latent_kv_bytes_per_token(rank, rope, bytes_per_element=size)
+    # the compressed latent and the shared RoPE key, not 4 heads of (12 + 8) + 10
+    assert sum(_tensor_bytes(k, v) for k, v in layers) == kv_cache_bytes([(per_token, None)] * 2, tokens)
+    assert per_token < kv_bytes_per_token(4, 12 + 8, 10, bytes_per_element=size)
+
+
+@pytest.mark.parametrize("context,window", [(0, 3), (1, 3), (3, 3), (11, 3), (11, 1), (5, 13)])
+def test_cached_tokens_are_the_keys_the_newest_query_sees(context, window):
+    i, j = torch.arange(context)[:, None], torch.arange(context)[None, :]
+    window_mask = (j <= i) & (i - j < window)  # (L, L): the w most recent keys, itself included
+    seen = int(window_mask[-1].sum()) if context else 0
+    assert cached_tokens(context, window) == seen
+    assert cached_tokens(context) == context
+
+
+def test_transformers_sliding_cache_holds_one_token_fewer_between_steps():
+    transformers = pytest.importorskip("transformers")
+    window, tokens = 5, 11
+    config = transformers.MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        sliding_window=window)
+    layers = _transformers_cache_after(config, transformers.MistralForCausalLM, tokens)
+    # it appends the next token before attending, so that query sees cached_tokens(...) keys
+    assert all(k.shape[-2] == cached_tokens(tokens, window) - 1 for k, _ in layers)
+
+
+def test_kv_cache_bytes_sums_full_and_windowed_layers():
+    full, local = kv_bytes_per_token(8, 128), kv_bytes_per_token(8, 128)
+    layers = [(local, 1024)] * 5 + [(full, None)]
+    assert kv_cache_bytes(layers, 100) == 6 * 100 * full
+    assert kv_cache_bytes(layers, 32768) == 5 * 1024 * local + 32768 * full
+    assert kv_cache_bytes([], 32768) == 0
+
+
+def test_kv_cache_bytes_rejects_what_is_not_a_layer():
+    with pytest.raises(TypeError, match=r"layers\[1\] must be a \(bytes_per_token, window\) pair"):
+        kv_cache_bytes([(4096, None), 4096], 10)
+    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
+        kv_cache_bytes([(4096, 0)], 10)
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive int, got 0"):
+        kv_bytes_per_token(0, 128)
+
+
+def test_linear_state_bytes_equal_the_state_tensor_and_do_not_grow_with_length():
+    H, dk, dv = 3, 5, 7
+    state = torch.zeros(1, H, dk, dv, dtype=torch.float32)  # (B, H, K, V), as transformers' gated delta rule
+    k, v = torch.randn(11, H, dk), torch.randn(11, H, dv)
+    for t in range(11):  # plain linear attention: S += k v^T at every token, in place
+        state[0] += k[t, :, :, None] * v[t, :, None, :]
+    assert _tensor_bytes(state) == linear_state_bytes(H, dk, dv, bytes_per_element=4)

@@ -44,7 +44,8 @@ SLOW = pytest.mark.skipif(not os.environ.get("ATTENTION_REF_SLOW_TESTS"),
 
 
 def _run(spelling: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, spelling], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", SCRIPT, spelling], capture_output=True, text=True, timeout=600,
+                          check=False)
 
 
 @pytest.mark.skipif(torch.__version__.split("+")[0] != "2.13.0", reason="the crash was seen with torch 2.13.0")
