@@ -1,9 +1,13 @@
 """The notebooks of the tutorial pages (written by docs/hooks/notebooks.py) hold the pages' code and run.
 
-Each notebook of the built site is read and validated with nbformat; its code cells must be
-the page's executed blocks, in order, hidden checks included; then its code cells run top to
-bottom in one fresh namespace, as Jupyter would run them (in this process: the package is
-already imported, so the notebooks cost only their own code).
+Each notebook of the built site is read and validated with nbformat. Its code cells must be a
+commented install cell with the site's install line, the Jupyter set-up, then per executed
+block the code the page shows (with the output the page printed) and the block's hidden
+checks as one "Checks" cell, and an empty "Your turn" cell before each solution; no ``\\(``
+math, no 127.0.0.1, no links to .md files. Then its code cells run top to bottom in one fresh
+namespace, as Jupyter would run them (in this process: the package is already imported, so
+the notebooks cost only their own code). test_fresh_notebooks.py runs them in a fresh
+environment installed with the install line.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import re
 from pathlib import Path
 
@@ -41,21 +46,57 @@ def built_notebook(built_site: Path, source: str):
     return notebook
 
 
+def expected_code_cells(source: str) -> list[str]:
+    """The code cells a page's notebook should have, "Your turn" cells left out: per block, the
+    code the page shows (the explorer made static), then its hidden whole statements as a
+    "Checks" cell."""
+    cells = [notebooks_hook.INSTALL_CELL, notebooks_hook.SETUP_CELL.rstrip()]
+    for block in find_blocks(DOCS / source):
+        shown, checks = notebooks_hook.split_hidden(block.code)
+        static = notebooks_hook.static_explorer(shown, "")
+        cells.append(shown if static is None else static[0])
+        if checks:
+            cells.append(notebooks_hook.CHECKS_HEADER + checks)
+    return cells
+
+
 @pytest.mark.parametrize("source", TUTORIAL_SOURCES)
 def test_notebook_holds_the_pages_code(built_site: Path, source: str):
     notebook = built_notebook(built_site, source)
     code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
-    blocks = [block.code.rstrip("\n") for block in find_blocks(DOCS / source)]
-    assert code[1:] == blocks, f"{source}: the notebook's code cells are not the page's blocks"
-    assert code[0] == notebook_hook_setup(), "the first code cell is the Jupyter set-up"
+    mine = [c for c in code if c != notebooks_hook.YOUR_TURN]
+    expected = expected_code_cells(source)
+    explorer = [i for i, c in enumerate(expected) if "interactive explorer" in c]
+    for i in explorer:  # the static picture links the page, whose address depends on the build
+        expected[i] = re.sub(r"layer and head\): \S*", "", expected[i])
+        mine[i] = re.sub(r"layer and head\): \S*", "", mine[i]) if i < len(mine) else None
+    assert mine == expected, f"{source}: the notebook's code cells are not the page's blocks"
+    assert code[0] == notebooks_hook.INSTALL_CELL and notebooks_hook.INSTALL_LINE in code[0]
+    assert all(line.startswith("#") for line in code[0].splitlines()), "install cell must be commented"
+    page = (DOCS / source).read_text(encoding="utf-8")
+    solutions = len(re.findall(r'^[ \t]*\?\?\?\+?\s+success\b', page, re.M))
+    assert code.count(notebooks_hook.YOUR_TURN) == solutions, f"{source}: one Your turn cell per solution"
+    for index, cell in enumerate(notebook.cells[:-1]):
+        if cell.cell_type == "code" and cell.source == notebooks_hook.YOUR_TURN:
+            following = notebook.cells[index + 1]
+            assert following.cell_type == "markdown" and "Solution" in following.source
     markdown = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
     assert "???" not in markdown, "Material admonition syntax left in the notebook's Markdown"
+    assert "\\(" not in markdown and "\\[" not in markdown, f"{source}: \\( math left (Jupyter wants $)"
     relative = re.findall(r"\]\((?![a-z]+:)[^)]*\.md[)#]", markdown)
     assert not relative, f"{source}: links to the site's .md files, broken in a notebook: {relative}"
-
-
-def notebook_hook_setup() -> str:
-    return notebooks_hook.SETUP_CELL.rstrip()
+    text = json.dumps(notebook)
+    assert "127.0.0.1" not in text, f"{source}: the notebook names 127.0.0.1"
+    assert "markdown-exec: hide" not in text, f"{source}: hidden-line markers left in the notebook"
+    # the output the page printed is stored: every block that prints as text or HTML has some
+    cells = [c for c in notebook.cells if c.cell_type == "code" and c.source in mine[2:]]
+    shown_cells = {c.source: c for c in cells}
+    for block in find_blocks(DOCS / source):
+        if block.options.get("result") == "text" or block.options.get("html"):
+            shown = notebooks_hook.split_hidden(block.code)[0]
+            cell = shown_cells.get(shown)
+            if cell is not None:  # (the explorer's cell is rewritten, checked above)
+                assert cell.outputs, f"{source}: no stored output for the block at line {block.line}"
 
 
 @pytest.mark.parametrize("source", TUTORIAL_SOURCES)
