@@ -153,3 +153,23 @@ def test_figures_follow_the_colour_scheme(page, site_url: str):
     page_background = page.evaluate("getComputedStyle(document.body).backgroundColor")
     assert all(f["background"] == page_background != "rgb(255, 255, 255)" for f in dark), (dark, page_background)
     assert all(f["text"] != light[0]["text"] for f in dark), dark
+
+
+SCROLLING_BLOCKS = """() => [...document.querySelectorAll('article pre > code')]
+  .filter(code => code.scrollWidth > code.clientWidth + 1)
+  .map(code => code.textContent.split('\\n').find(line => line.length > 40) || code.textContent.slice(0, 60))"""
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if s.startswith("tutorial/")])
+def test_tutorial_code_does_not_scroll_sideways_on_a_phone(browser, site_url: str, source: str):
+    """At 390 px (a phone), no code or output block of a tutorial page needs a sideways swipe."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    try:
+        phone = context.new_page()
+        phone.goto(site_url + page_path(source))
+        phone.wait_for_load_state("networkidle")
+        scrolling = phone.evaluate(SCROLLING_BLOCKS)
+        assert not scrolling, f"{len(scrolling)} blocks scroll sideways at 390 px, e.g. {scrolling[:3]}"
+        assert phone.evaluate("document.documentElement.scrollWidth") <= 390
+    finally:
+        context.close()
