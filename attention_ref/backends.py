@@ -8,13 +8,18 @@ it to that on random shapes, masks and dtypes.
 | backend | what it is | weights, lse, sinks | masks | mods | dropout | devices |
 |---|---|---|---|---|---|---|
 | ``math`` | the reference: forms the ``(L, S)`` scores | yes, yes, yes | bool, float | every ``score_mod`` and ``mask_mod`` | yes | any |
-| ``tiled`` | `attention_ref.tiled`, online softmax | no, yes, yes (`attention_ref.add_sinks` after the last block) | bool, float | every mod; skips the blocks a ``mask_mod`` empties | no | any |
-| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no, no, no | bool, float | a ``mask_mod``, materialised as a boolean ``(..., L, S)`` mask; no ``score_mod`` | yes | any |
+| ``tiled`` | `attention_ref.tiled`, online softmax | no, yes, yes (`attention_ref.add_sinks` after the last block) | bool, float | every mod; skips the blocks a ``mask_mod`` empties; a ``block_mask`` used as is (its blocks) | no | any |
+| ``sdpa`` | ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels on CUDA, a flash kernel on CPU) | no, no, no | bool, float | a ``mask_mod`` (or a ``block_mask``'s), materialised as a boolean ``(..., L, S)`` mask; no ``score_mod`` | yes | any |
 | ``triton`` | `attention_ref.triton_flash`, this package's Triton kernel | no, no, no | key padding (bool) | `mods.causal`, `mods.sliding_window`, `mods.softcap` (recognised by `mods.describe`) | no | CUDA (or the interpreter) |
 
 All of them support ``is_causal`` (top-left aligned, combined with
 ``attn_mask``), ``scale``, grouped-query heads (``enable_gqa``) and autograd,
 and give output 0 for a query row that no key may attend to.
+
+A ``block_mask`` (`attention_ref.tiled.BlockMask`, made once by
+`attention_ref.tiled.create_block_mask`) stands for its ``mask_mod`` on every
+backend; only ``"tiled"`` reads its blocks (and runs with its block sizes), the
+others materialise the mod on every pair as for ``mask_mod=``.
 
 ``"auto"`` is a fixed rule, checked in this order (see `select_backend` and
 `auto_rule`):
@@ -76,7 +81,15 @@ from attention_ref import _inputs, mods
 from attention_ref._validation import check_probability, fmt_shape
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.sinks import check_sinks, heads_of
-from attention_ref.tiled import BlockMask, _batch_shape, _mod_sizes, _tiled, create_block_mask
+from attention_ref.tiled import (
+    BlockMask,
+    _batch_shape,
+    _block_mask_mod,
+    _check_block_mask,
+    _mod_sizes,
+    _tiled,
+    create_block_mask,
+)
 
 __all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "TRITON_VERIFIED_ON_GPU", "auto_rule", "check_backend", "select_backend"]
 
@@ -150,6 +163,7 @@ def select_backend(
     mask_mod: mods.MaskMod | None = None,
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> str:
     """The backend `attention_ref.scaled_dot_product_attention` would run for these arguments.
 
@@ -183,12 +197,16 @@ def select_backend(
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
+    mask_mod = _block_mask_mod(mask_mod, block_mask)
     query, key, value, mask, _ = _inputs.prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
+    batch = _batch_shape(query, key, value, enable_gqa)
+    if block_mask is not None:
+        _check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     if sinks is not None:
-        sinks = check_sinks(sinks, heads_of(_batch_shape(query, key, value, enable_gqa)), query)
+        sinks = check_sinks(sinks, heads_of(batch), query)
     call = Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
                 return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse,
-                sinks=sinks)
+                sinks=sinks, block_mask=block_mask)
     return _select(backend, call)
 
 
@@ -212,7 +230,8 @@ class Call:
     return_lse: bool = False
     #: ``(H,)`` learned sink logits, checked (`attention_ref.sinks`); only math and tiled take them.
     sinks: torch.Tensor | None = None
-    #: Made by ``"auto"`` when it looked at the mask_mod's sparsity; the tiled path reuses it.
+    #: Given by the caller (``block_mask=``, checked; then ``mask_mod`` is its mod), or made by
+    #: ``"auto"`` when it looked at the mask_mod's sparsity; the tiled path uses it with its blocks.
     block_mask: BlockMask | None = None
 
     @property
@@ -242,7 +261,9 @@ def _auto(call: Call) -> str:
     ) is None
     length = max(query.shape[-2], key.shape[-2])
     skipped = None
-    if (device == "cpu" and call.mask_mod is not None and call.score_mod is None and not call.return_weights
+    if call.block_mask is not None:  # given by the caller: its sparsity is known (for its blocks)
+        skipped = call.block_mask.fraction_skipped
+    elif (device == "cpu" and call.mask_mod is not None and call.score_mod is None and not call.return_weights
             and call.dropout_p == 0 and CPU_MODS_TILED_MIN_LENGTH <= length < CPU_TILED_MIN_LENGTH):
         # Only the block mask tells the sparsity; made once here, the tiled path reuses it.
         batch = _batch_shape(query, key, call.value, call.enable_gqa)
@@ -442,8 +463,14 @@ def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.T
     """Run a non-math backend on a validated call (key/value heads not expanded)."""
     query, key, value, mask = call.query, call.key, call.value, call.mask
     if backend == "tiled":
-        block_q, block_k = (TILED_MODS_BLOCK_Q, TILED_MODS_BLOCK_K) if call.mask_mod is not None else (None, None)
-        blocks = {"block_q": block_q, "block_k": block_k} if block_q is not None else {}
+        # A block mask (the caller's, or the one "auto" made) brings its block sizes; a mask_mod
+        # alone gets the sizes measured for mods; otherwise the tiled path's defaults.
+        if call.block_mask is not None:
+            blocks = {"block_q": call.block_mask.block_q, "block_k": call.block_mask.block_k}
+        elif call.mask_mod is not None:
+            blocks = {"block_q": TILED_MODS_BLOCK_Q, "block_k": TILED_MODS_BLOCK_K}
+        else:
+            blocks = {}
         return _tiled(query, key, value, mask, is_causal=call.is_causal, scale=scale, enable_gqa=call.enable_gqa,
                       score_mod=call.score_mod, mask_mod=call.mask_mod, block_mask=call.block_mask,
                       return_lse=call.return_lse, sinks=call.sinks, **blocks)

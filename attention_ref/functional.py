@@ -43,6 +43,7 @@ from attention_ref import mods as _mods
 from attention_ref._validation import check_probability
 from attention_ref.masks import causal_mask
 from attention_ref.sinks import check_sinks, heads_of, sink_column
+from attention_ref.tiled import BlockMask, _block_mask_mod, _check_block_mask
 
 __all__ = ["attention_weights", "merge_attention", "scaled_dot_product_attention"]
 
@@ -164,6 +165,7 @@ def attention_weights(
     score_mod: _mods.ScoreMod | None = None,
     mask_mod: _mods.MaskMod | None = None,
     sinks: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor:
     r"""Attention weights ``softmax(scale * query @ key^T + mask)``.
 
@@ -189,6 +191,12 @@ def attention_weights(
         sinks: ``(H,)``, one learned logit per query head (``H`` = the scores'
             dim -3), added as ``exp(sinks[h])`` to each row's denominator, never
             scaled (`attention_ref.sinks`).
+        block_mask: a `attention_ref.tiled.BlockMask` made once by
+            `attention_ref.tiled.create_block_mask`; its ``mask_mod`` masks, as
+            if passed as ``mask_mod=`` (which may then be left out, or must be
+            that same function). It is checked against the call: ``L``, ``S``,
+            and ``B``, ``H`` (1 broadcasts). The weights are the whole ``(L, S)``
+            matrix, so the mod is evaluated on every pair (materialised).
 
     Returns:
         ``(..., L, S)`` weights in ``query``'s dtype, computed in at least float32.
@@ -201,7 +209,10 @@ def attention_weights(
         TypeError: non-float inputs, inputs of different dtypes, an integer mask;
             a mod of the wrong number of arguments, a ``mask_mod`` returning a
             non-bool tensor or a ``score_mod`` returning a bool one (a mod
-            returning a wrongly shaped tensor is a ``ValueError``).
+            returning a wrongly shaped tensor is a ``ValueError``); a
+            ``block_mask`` that is not a `attention_ref.tiled.BlockMask` (its
+            sizes not those of the call, or another ``mask_mod``, are a
+            ``ValueError``).
 
     Examples:
         >>> import torch
@@ -212,9 +223,13 @@ def attention_weights(
         True
     """
     _inputs.check_mods(score_mod, mask_mod)
+    mask_mod = _block_mask_mod(mask_mod, block_mask)  # a block mask brings its own mod
     query, key, _, mask, resolved = _inputs.prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key = _inputs.expand_kv_heads(query, key, "key")
+    if block_mask is not None:  # made for these sizes; materialised below like a mask_mod
+        batch = tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]))
+        _check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     scores = _masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
     sinks = _checked_sinks(sinks, scores.shape[:-2], query)
     return _safe_softmax(scores, sinks).to(query.dtype)
@@ -236,6 +251,7 @@ def scaled_dot_product_attention(
     mask_mod: _mods.MaskMod | None = None,
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     r"""Scaled dot-product attention, equal to ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -292,6 +308,20 @@ def scaled_dot_product_attention(
             value (gpt-oss; `attention_ref.sinks`). ``-inf`` = no sink for that
             head. The ``"math"`` and ``"tiled"`` backends take it (``"auto"``
             picks one of them), with gradients to ``sinks``; the others raise.
+        block_mask: a `attention_ref.tiled.BlockMask` made once by
+            `attention_ref.tiled.create_block_mask` and reused across calls
+            (every layer of a forward pass, as with FlexAttention): its
+            ``mask_mod`` masks, as if passed as ``mask_mod=`` (which may then be
+            left out, or must be that same function: two different mods raise).
+            It is checked against the call: ``L``, ``S``, and ``B``, ``H`` of the
+            output's leading dims ``(..., H)`` (1 broadcasts). ``"tiled"`` uses
+            it as is, with its block sizes: empty blocks skipped, full blocks
+            computed without evaluating the mod, the mod evaluated on the
+            partial blocks only, and no block mask built per call. ``"math"``
+            and ``"sdpa"`` materialise its mod on every pair, as for
+            ``mask_mod=``; ``"triton"`` recognises the mod as for ``mask_mod=``
+            and skips blocks its own way. ``"auto"`` reads the fraction of empty
+            blocks off it instead of building one.
 
     Returns:
         ``(..., L, Ev)`` in ``query``'s dtype; with ``return_weights`` the pair
@@ -307,7 +337,10 @@ def scaled_dot_product_attention(
         TypeError: non-float inputs, inputs of different dtypes, an integer mask;
             a mod of the wrong number of arguments, a ``mask_mod`` returning a
             non-bool tensor or a ``score_mod`` returning a bool one (a mod
-            returning a wrongly shaped tensor is a ``ValueError``).
+            returning a wrongly shaped tensor is a ``ValueError``); a
+            ``block_mask`` that is not a `attention_ref.tiled.BlockMask` (one
+            made for other sizes, or with another ``mask_mod`` than the one
+            passed, is a ``ValueError`` naming both values).
 
     Examples:
         >>> import torch
@@ -315,6 +348,14 @@ def scaled_dot_product_attention(
         >>> q, k, v = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 4)
         >>> scaled_dot_product_attention(q, k, v).shape
         torch.Size([2, 3, 4])
+
+        A block mask built once, reused by every call with the same mask and sizes:
+
+        >>> from attention_ref import mods, tiled
+        >>> bm = tiled.create_block_mask(mods.causal(offset=2), None, None, 3, 5, block_q=2, block_k=2)
+        >>> out = scaled_dot_product_attention(q, k, v, backend="tiled", block_mask=bm)
+        >>> torch.allclose(out, scaled_dot_product_attention(q, k, v, mask_mod=bm.mask_mod), atol=1e-6)
+        True
     """
     check_probability("dropout_p", dropout_p)
     _inputs.check_bool("return_weights", return_weights)
@@ -323,12 +364,16 @@ def scaled_dot_product_attention(
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
+    mask_mod = _block_mask_mod(mask_mod, block_mask)  # a block mask brings its own mod
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
-    sinks = _checked_sinks(sinks, _backends._batch_shape(query, key, value, enable_gqa), query)
+    batch = _backends._batch_shape(query, key, value, enable_gqa)
+    if block_mask is not None:  # made for these sizes (its blocks are the tiled backend's)
+        _check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
+    sinks = _checked_sinks(sinks, batch, query)
     call = _backends.Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
                           return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,
-                          return_lse=return_lse, sinks=sinks)
+                          return_lse=return_lse, sinks=sinks, block_mask=block_mask)
     chosen = _backends._select(backend, call)
     if chosen != "math":
         return _backends._run(chosen, call, resolved)

@@ -50,8 +50,9 @@ from attention_ref import mods
 from attention_ref._validation import check_positive_int, fmt_shape, require_tensor
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
+from attention_ref.tiled import BlockMask, _block_mask_mod
 
-__all__ = ["KVCache", "PagedKVCache", "attention_with_kv_cache"]
+__all__ = ["KVCache", "PagedKVCache", "attention_with_kv_cache", "kv_cache_mask_mod"]
 
 
 # --- argument checks -----------------------------------------------------------------------------
@@ -114,9 +115,74 @@ def _cache_mask(cache_seqlens: torch.Tensor, num_queries: int, is_causal: bool) 
     """The keys a query may see: the valid ones (``j < cache_seqlens[b]``), and with
     ``is_causal`` only those up to its own position."""
     valid = mods.padding(cache_seqlens)
-    if not is_causal:
-        return valid
-    return mods.and_masks(valid, _causal_from_seqlens(cache_seqlens, num_queries))
+    mask_mod = valid if not is_causal else mods.and_masks(valid, _causal_from_seqlens(cache_seqlens, num_queries))
+    # what it was made from, for attention_with_kv_cache's block_mask= check
+    mask_mod._attention_ref_kv_cache = (cache_seqlens, num_queries, is_causal)  # type: ignore[attr-defined]
+    return mask_mod
+
+
+def kv_cache_mask_mod(cache_seqlens: torch.Tensor, num_queries: int, *, is_causal: bool = False) -> mods.MaskMod:
+    """The mask of `attention_with_kv_cache` as a mask mod, for its ``block_mask=``.
+
+    Key ``j`` takes part for query ``i`` of sequence ``b`` when ``j < cache_seqlens[b]``
+    and, with ``is_causal``, ``j <= i + cache_seqlens[b] - num_queries`` (bottom-right).
+    It depends on ``b``: make its block mask with the batch size, e.g.
+    ``create_block_mask(mod, B, None, num_queries, int(cache_seqlens.max()))``.
+
+    Args:
+        cache_seqlens: ``(B,)`` integers, the valid keys of each sequence.
+        num_queries: ``Lq``, the new queries of each sequence.
+        is_causal: add the bottom-right causal rule.
+
+    Returns:
+        ``mask_mod(b, h, q_idx, kv_idx)``, ``True`` = takes part.
+
+    Raises:
+        TypeError: ``cache_seqlens`` not an integer tensor, ``num_queries`` not an int,
+            ``is_causal`` not a bool.
+        ValueError: ``cache_seqlens`` not 1-D, ``num_queries`` negative.
+
+    Examples:
+        >>> mod = kv_cache_mask_mod(torch.tensor([2, 3]), 1, is_causal=True)
+        >>> mods.create_mask(mod, 2, None, 1, 3)[:, 0, 0].int().tolist()
+        [[1, 1, 0], [1, 1, 1]]
+    """
+    tensor = require_tensor("cache_seqlens", cache_seqlens)
+    _int_tensor("cache_seqlens", tensor, "(B,)", None, 1, tensor.device)
+    check_positive_int("num_queries", num_queries, allow_zero=True)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    return _cache_mask(tensor, num_queries, is_causal)
+
+
+def _block_mask_for(
+    block_mask: object, cache_seqlens: torch.Tensor, num_queries: int, is_causal: bool, B: int
+) -> mods.MaskMod:
+    """The mod of a ``block_mask`` made from `kv_cache_mask_mod` with this call's arguments."""
+    mask_mod = _block_mask_mod(None, block_mask)  # TypeError unless a BlockMask
+    made = getattr(mask_mod, "_attention_ref_kv_cache", None)
+    if made is None:
+        raise ValueError(
+            "block_mask must be made from kv_cache_mask_mod(cache_seqlens, Lq, is_causal=...), "
+            "got a block mask of another mask_mod"
+        )
+    seqlens, lq, causal = made
+    if not torch.equal(seqlens.to(device=cache_seqlens.device, dtype=cache_seqlens.dtype), cache_seqlens):
+        raise ValueError(
+            f"block_mask was made for cache_seqlens={seqlens.tolist()}, this call has "
+            f"cache_seqlens={cache_seqlens.tolist()}"
+        )
+    if (lq, causal) != (num_queries, is_causal):
+        raise ValueError(
+            f"block_mask was made for Lq={lq}, is_causal={causal}; this call has Lq={num_queries}, "
+            f"is_causal={is_causal}"
+        )
+    if block_mask.B != B:  # type: ignore[union-attr]
+        raise ValueError(
+            f"block_mask was made for B={block_mask.B}, this call has B={B} (the mask depends on the "  # type: ignore[union-attr]
+            "sequence: make it with the batch size)"
+        )
+    return mask_mod
 
 
 # --- attention over a cache ------------------------------------------------------------------------
@@ -146,6 +212,7 @@ def attention_with_kv_cache(
     return_weights: bool = False,
     backend: str = "math",
     sinks: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention of ``Lq`` new queries per sequence against a key/value cache.
 
@@ -204,6 +271,14 @@ def attention_with_kv_cache(
             whatever the cache's length or layout. ``"math"``, ``"tiled"``
             and ``"auto"`` take it; ``"sdpa"`` and ``"triton"`` raise.
 
+        block_mask: the cache mask's `attention_ref.tiled.BlockMask`, made once
+            with ``create_block_mask(kv_cache_mask_mod(cache_seqlens, Lq,
+            is_causal=is_causal), B, None, Lq, max(cache_seqlens))`` and reused
+            by every layer of the step: ``"tiled"`` uses its blocks as they are;
+            the other backends materialise its mod. It must come from
+            `kv_cache_mask_mod` with equal ``cache_seqlens``, the same ``Lq``
+            and ``is_causal``, and be made for this ``B`` (checked:
+            ``ValueError`` otherwise).
     Returns:
         ``(B, H, Lq, Ev)`` in ``query``'s dtype, or ``(output, weights)``
         (with ``sinks``, each row of weights sums to less than 1).
@@ -219,7 +294,9 @@ def attention_with_kv_cache(
             than ``Lq`` without ``is_causal``; a ``block_table`` index outside
             ``[0, num_blocks)``; ``sinks`` not of shape ``(H,)``, on another
             device, NaN or ``+inf``; an unknown ``backend``, or one that cannot
-            run the call (the message names it).
+            run the call (the message names it); a ``block_mask`` made from
+            another mod or for other lengths (``TypeError`` if it is not a
+            `attention_ref.tiled.BlockMask`).
 
     Examples:
         >>> import torch
@@ -326,9 +403,13 @@ def attention_with_kv_cache(
         keep = valid[:, None, :, None]  # (B, 1, S, 1): broadcasts over heads and E
         keys = torch.where(keep, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
         values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    mask_mod = _cache_mask(cache_seqlens, Lq, is_causal)
+    if block_mask is None:
+        mask_mod = _cache_mask(cache_seqlens, Lq, is_causal)
+    else:
+        mask_mod = _block_mask_for(block_mask, cache_seqlens, Lq, is_causal, B)
     return scaled_dot_product_attention(query, keys, values, enable_gqa=True, scale=scale, mask_mod=mask_mod,
-                                        return_weights=return_weights, backend=backend, sinks=sinks)
+                                        return_weights=return_weights, backend=backend, sinks=sinks,
+                                        block_mask=block_mask)
 
 
 # --- a contiguous cache ---------------------------------------------------------------------------

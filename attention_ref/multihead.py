@@ -20,6 +20,7 @@ from attention_ref._inputs import check_bool
 from attention_ref._validation import check_positive_int, check_probability, fmt_shape
 from attention_ref.backends import check_backend
 from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.tiled import BlockMask
 
 __all__ = ["MultiHeadAttention"]
 
@@ -164,6 +165,7 @@ class MultiHeadAttention(nn.Module):
         average_weights: bool = True,
         score_mod: Callable[..., torch.Tensor] | None = None,
         mask_mod: Callable[..., torch.Tensor] | None = None,
+        block_mask: BlockMask | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -182,8 +184,16 @@ class MultiHeadAttention(nn.Module):
                 scaled scores of every head (`attention_ref.mods`; ``h`` is the
                 query head).
             mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = takes
-                part, combined with ``attn_mask`` and ``is_causal``. With a mod
-                the module's backend must be ``"math"`` or ``"auto"``.
+                part, combined with ``attn_mask`` and ``is_causal``; the module's
+                backend must take it (``"sdpa"`` takes no ``score_mod``, see
+                `attention_ref.backends`).
+            block_mask: a `attention_ref.tiled.BlockMask` made once for
+                ``(B, H, L, S)`` (or ``None`` for ``B``/``H`` it does not depend
+                on) by `attention_ref.tiled.create_block_mask` and shared by
+                every layer: its mod masks (``mask_mod`` may be left out, or must
+                be that function); the tiled backend skips its empty blocks,
+                the others materialise it (see
+                `attention_ref.scaled_dot_product_attention`).
 
         Returns:
             ``(B, L, embed_dim)``, or ``(output, weights)`` with weights
@@ -219,6 +229,7 @@ class MultiHeadAttention(nn.Module):
             score_mod=score_mod,
             mask_mod=mask_mod,
             sinks=self.sinks,
+            block_mask=block_mask,
         )  # (B, H, L, D), with return_weights also (B, H, L, S)
         out, weights = result if return_weights else (result, None)
         out = out.transpose(1, 2).reshape(B, L, self.embed_dim)  # (B, H, L, D) -> (B, L, H * D)

@@ -55,6 +55,7 @@ from attention_ref._validation import (
 )
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
+from attention_ref.tiled import BlockMask, _block_mask_mod
 
 __all__ = ["cu_seqlens_from_lengths", "pack", "unpack", "varlen_attention", "varlen_mask_mod"]
 
@@ -289,6 +290,7 @@ def _mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.M
     k_seq = sequences.repeat_interleave(cu_k[1:] - cu_k[:-1]).to(cu_q.device)  # (total_k,) of each packed key
     same_sequence = mods.document(q_seq, k_seq)  # the block-diagonal mask
     if not is_causal:
+        same_sequence._attention_ref_varlen = (cu_q, cu_k, is_causal)  # type: ignore[attr-defined]
         return same_sequence
     # (total_q,): Lk_s - Lq_s as seen from packed coordinates, for the sequence s of each query
     shift = (cu_k[1:].to(cu_q.device) - cu_q[1:])[q_seq]
@@ -298,7 +300,29 @@ def _mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.M
     ) -> torch.Tensor:
         return kv_idx <= q_idx + shift[q_idx]  # j <= i + Lk_s - Lq_s inside sequence s
 
-    return mods.and_masks(same_sequence, varlen_causal_mask_mod)
+    mask_mod = mods.and_masks(same_sequence, varlen_causal_mask_mod)
+    # what it was made from, for varlen_attention's block_mask= check
+    mask_mod._attention_ref_varlen = (cu_q, cu_k, is_causal)  # type: ignore[attr-defined]
+    return mask_mod
+
+
+def _block_mask_for(block_mask: object, cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.MaskMod:
+    """The mod of a ``block_mask`` made from ``varlen_mask_mod`` with this call's lengths and ``is_causal``."""
+    mask_mod = _block_mask_mod(None, block_mask)  # TypeError unless a BlockMask
+    made = getattr(mask_mod, "_attention_ref_varlen", None)
+    if made is None:
+        raise ValueError(
+            "block_mask must be made from varlen_mask_mod(cu_seqlens_q, cu_seqlens_k, is_causal=...), "
+            "got a block mask of another mask_mod"
+        )
+    for name, want, got in (("cu_seqlens_q", cu_q, made[0]), ("cu_seqlens_k", cu_k, made[1])):
+        if not torch.equal(got.to(want.device), want):
+            raise ValueError(
+                f"block_mask was made for {name}={got.tolist()}, this call has {name}={want.tolist()}"
+            )
+    if made[2] != is_causal:
+        raise ValueError(f"block_mask was made for is_causal={made[2]}, this call has is_causal={is_causal}")
+    return mask_mod
 
 
 def varlen_mask_mod(
@@ -360,6 +384,7 @@ def varlen_attention(
     backend: str = "math",
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention over packed sequences: each sequence attends to its own keys only.
 
@@ -420,6 +445,14 @@ def varlen_attention(
             each query row's softmax denominator over its own sequence's keys
             (sink included), in the compute dtype (``"math"``, ``"tiled"``,
             ``"auto"`` only).
+        block_mask: the packed mask's `attention_ref.tiled.BlockMask`, made
+            once with ``create_block_mask(varlen_mask_mod(cu_seqlens_q,
+            cu_seqlens_k, is_causal=is_causal), None, None, total_q, total_k)``
+            and reused by every layer over the same packing: ``"tiled"`` uses
+            its blocks as they are, instead of classifying them on each call;
+            the other backends materialise its mod. It must come from
+            `varlen_mask_mod` with equal ``cu_seqlens`` and the same
+            ``is_causal`` (checked: ``ValueError`` otherwise).
 
     Returns:
         ``(H, total_q, Ev)`` in ``query``'s dtype, or ``(output, lse)`` with
@@ -477,8 +510,8 @@ def varlen_attention(
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (query.shape[1])", query.device)
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (key.shape[1])", query.device)
     _check_same_count(cu_q, cu_k)
-    keep = _mask_mod(cu_q, cu_k, is_causal)
+    keep = _mask_mod(cu_q, cu_k, is_causal) if block_mask is None else _block_mask_for(block_mask, cu_q, cu_k, is_causal)
     # (H, total_q, E) x (Hkv, total_k, E) -> scores (H, total_q, total_k), masked -> (H, total_q, Ev);
     # a row's sink joins its denominator once, whatever its sequence, as when each runs alone.
     return scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True, mask_mod=keep,
-                                        backend=backend, sinks=sinks, return_lse=return_lse)
+                                        backend=backend, sinks=sinks, return_lse=return_lse, block_mask=block_mask)
