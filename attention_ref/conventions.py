@@ -68,6 +68,37 @@ sketch of sparse prefill writes it in base 2); openai/gpt-oss ``gpt_oss/torch/mo
 (``sdpa``); transformers 5.23 ``models/gpt_oss/modeling_gpt_oss.py`` and
 ``models/granite_swa/modeling_granite_swa.py`` (``eager_attention_forward``).
 
+**Multi-head latent attention in three kernels.** Decoding kernels for MLA run its
+absorbed form (`attention_ref.mla.mla_absorbed`): the query ``q_nope W_UK`` (``C``
+values per head) and its RoPE part (``R``) against one key/value head read from
+the latent cache, ``[c_KV | k_pe]`` (``C + R``) with value ``c_KV`` (``C``).
+They never see ``W_UK`` or ``W_UV``, and they lay the same numbers out in three
+ways. ``to_*`` takes `attention_ref.mla`'s arguments and returns the kernel's
+keyword arguments, with the softmax scale always set to MLA's
+(`attention_ref.mla.softmax_scale`); ``from_*`` takes the kernel's arguments
+(its default scale included) and returns keyword arguments of ``mla_absorbed``
+(the absorbed query as ``q_nope``, ``w_uk = w_uv = I``);
+`from_mla_kernel_output` applies ``W_UV`` to the kernel's output. DeepSeek-V3's
+sizes: ``C = 512``, ``R = 64``, ``P + R = 192``.
+
+| library | call | query | key / value | default scale | functions here |
+| --- | --- | --- | --- | --- | --- |
+| FlashAttention 4 | ``flash_attn_func(q, k, v, qv=)`` | ``q`` = ``q_pe`` ``(B, L, H, R)``, ``qv`` = absorbed ``(B, L, H, C)`` | ``k`` ``(B, S, 1, R)``, ``v`` ``(B, S, 1, C)``; scores ``q k^T + qv v^T`` | ``1/sqrt(R + C)`` (wrong for MLA) | `to_flash_attn_qv`, `from_flash_attn_qv` |
+| FlashMLA (dense decode, "MQA mode") | ``flash_mla_with_kvcache`` | ``q`` ``(B, L, H, C + R)``, absorbed first | ``k_cache`` ``(blocks, page, 1, C + R)``; value = the first ``head_dim_v = C`` | ``1/sqrt(C + R)`` (wrong for MLA) | `to_flash_mla`, `from_flash_mla` |
+| FlashInfer | ``BatchMLAPagedAttentionWrapper`` ``plan``, ``run`` | ``q_nope`` (absorbed) ``(nnz, H, C)``, ``q_pe`` ``(nnz, H, R)`` | ``ckv_cache`` ``(pages, page, C)``, ``kpe_cache`` ``(pages, page, R)`` | none (``sm_scale`` required) | `to_flashinfer_mla`, `from_flashinfer_mla` |
+
+MLA's scale is ``mscale^2 / sqrt(P + R)`` (``1/sqrt(192)`` times YaRN's factor in
+DeepSeek-V3), whatever the absorbed query's size: a DeepSeek caller of
+FlashAttention 4 or FlashMLA must pass ``softmax_scale``. Sources (snapshots read
+2026-08): FlashAttention ``0251105a`` ``flash_attn/cute/interface.py``
+(``_flash_attn_fwd``: ``1 / sqrt(head_dim + head_dim_v)`` when ``q`` and ``qv``
+are given); FlashMLA ``02fe0d02`` ``flash_mla/flash_mla_interface.py``
+(``softmax_scale = q.shape[-1] ** (-0.5)``, ``head_dim_v`` 512); FlashInfer
+``fb28d724`` ``flashinfer/mla/_core.py`` (``plan(..., head_dim_ckv, head_dim_kpe,
+page_size, causal, sm_scale)``, ``run(q_nope, q_pe, ckv_cache, kpe_cache)``; its
+example passes ``sm_scale = 1.0 / ((128 + 64) ** 0.5)``, "use head dimension before
+matrix absorption", as ``tests/attention/test_deepseek_mla.py`` does).
+
 Examples:
     >>> from attention_ref import mods
     >>> from attention_ref.conventions import from_hf_sliding_window
@@ -87,6 +118,8 @@ from attention_ref._validation import (
     check_positive_int,
     fmt_shape,
     require_float_tensor,
+    require_same_dtype_and_device,
+    require_tensor,
 )
 from attention_ref.sinks import check_sinks, heads_of
 
@@ -95,16 +128,23 @@ __all__ = [
     "from_flash_attn_alibi",
     "from_flash_attn_causal",
     "from_flash_attn_lse",
+    "from_flash_attn_qv",
     "from_flash_attn_window",
+    "from_flash_mla",
     "from_flash_mla_lse",
     "from_flashinfer_lse",
+    "from_flashinfer_mla",
     "from_hf_alibi",
     "from_hf_sliding_window",
+    "from_mla_kernel_output",
     "gpt_oss_sink_attention",
     "granite_swa_sink_attention",
     "to_flash_attn_lse",
+    "to_flash_attn_qv",
+    "to_flash_mla",
     "to_flash_mla_lse",
     "to_flashinfer_lse",
+    "to_flashinfer_mla",
 ]
 
 
@@ -748,3 +788,696 @@ def granite_swa_sink_attention(
     weights = torch.softmax(scores, dim=-1)  # (..., H, L, S): NaN on a row of -inf
     out = torch.matmul(weights, value)  # (..., H, L, S) @ (..., H, S, Ev) -> (..., H, L, Ev)
     return (out * sink_scale.unsqueeze(-1)).to(dtype)  # NaN * 0 stays NaN on a row with no key
+
+
+# --- multi-head latent attention: three kernels' layouts -----------------------------------------
+#
+# The kernels below run MLA's absorbed form (`attention_ref.mla.mla_absorbed`): they see
+# the absorbed query q_latent = q_nope W_UK (C values per head), the query's RoPE part
+# (R), and one key/value head read from the latent cache. They never see W_UK or W_UV.
+# `to_*` lays this package's MLA arguments out as the kernel's; `from_*` turns the
+# kernel's arguments into keyword arguments of `mla_absorbed` (and `mla_naive`): the
+# absorbed query passed as ``q_nope`` with ``w_uk`` and ``w_uv`` the identity, so the
+# package's ``(B, H, L, C)`` result is the kernel's output, transposed.
+
+
+def _check_kernel_scale(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive finite float or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite float or None, got {value}")
+    return float(value)
+
+
+def _check_latent_args(
+    q_nope: object, q_pe: object, latent: object, k_pe: object, w_uk: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This package's MLA arguments (those the kernels need) checked against each other."""
+    layouts = {"q_nope": "(B, H, L, P)", "q_pe": "(B, H, L, R)", "latent": "(B, S, C)",
+               "k_pe": "(B, S, R)", "w_uk": "(H, P, C)"}
+    given = {"q_nope": q_nope, "q_pe": q_pe, "latent": latent, "k_pe": k_pe, "w_uk": w_uk}
+    tensors = {}
+    for name, value in given.items():
+        dims = layouts[name].count(",") + 1
+        tensor = require_float_tensor(name, value, dims, layouts[name])
+        if tensor.dim() != dims:
+            raise ValueError(f"{name} must have shape {layouts[name]}, got {fmt_shape(tensor.shape)}")
+        tensors[name] = tensor
+    require_same_dtype_and_device(**tensors)
+    B, H, L, P = tensors["q_nope"].shape
+    R = tensors["q_pe"].shape[-1]
+    S, C = tensors["latent"].shape[1:]
+    expected = {"q_pe": (B, H, L, R), "latent": (B, S, C), "k_pe": (B, S, R), "w_uk": (H, P, C)}
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {layouts[name]} = {fmt_shape(shape)} (B, H, L, P from q_nope "
+                f"{fmt_shape(tensors['q_nope'].shape)}, S, C from latent {fmt_shape(tensors['latent'].shape)}), "
+                f"got {fmt_shape(tensors[name].shape)}"
+            )
+    return tensors["q_nope"], tensors["q_pe"], tensors["latent"], tensors["k_pe"], tensors["w_uk"]
+
+
+def _absorbed_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``q_latent = q_nope W_UK`` in the kernels' layout ``(B, L, H, C)``."""
+    q_latent = torch.einsum("bhlp,hpc->bhlc", q_nope, w_uk)  # (B, H, L, P) x (H, P, C) -> (B, H, L, C)
+    return q_latent.transpose(1, 2)  # (B, H, L, C) -> (B, L, H, C)
+
+
+def _mla_kwargs(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, scale: float
+) -> dict[str, torch.Tensor | float]:
+    """Keyword arguments of `mla_absorbed` for an absorbed query: ``W_UK = W_UV = I``.
+
+    ``q_latent`` ``(B, L, H, C)`` and ``q_pe`` ``(B, L, H, R)`` in the kernels'
+    layout, ``latent`` ``(B, S, C)`` and ``k_pe`` ``(B, S, R)``.
+    """
+    H, C = q_latent.shape[2], q_latent.shape[3]
+    eye = torch.eye(C, dtype=q_latent.dtype, device=q_latent.device).expand(H, C, C)  # (H, C, C)
+    return {
+        "q_nope": q_latent.transpose(1, 2),  # (B, L, H, C) -> (B, H, L, C): "P" = C
+        "q_pe": q_pe.transpose(1, 2),  # (B, L, H, R) -> (B, H, L, R)
+        "latent": latent,
+        "k_pe": k_pe,
+        "w_uk": eye,
+        "w_uv": eye,
+        "scale": scale,
+    }
+
+
+def _one_kv_head(name: str, tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """``(B, S, 1, D)`` -> ``(B, S, D)``: the absorbed form has one key/value head."""
+    if tensor.dim() != 4 or tensor.shape[2] != 1:
+        raise ValueError(
+            f"{name} must have shape {layout} with one key/value head (MLA's absorbed form), "
+            f"got {fmt_shape(tensor.shape)}"
+        )
+    return tensor[:, :, 0]
+
+
+def to_flash_attn_qv(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> dict[str, torch.Tensor | float | None]:
+    r"""This package's MLA arguments as FlashAttention 4's ``flash_attn_func(q, k, v, qv=, softmax_scale=)``.
+
+    FlashAttention 4 (``flash_attn.cute``, Blackwell) runs MLA's absorbed form
+    through an extra query ``qv`` that scores against the values:
+
+    $$
+    O = \mathrm{softmax}\big(\text{scale}\cdot(q k^\top + q_v v^\top)\big)\, v ,
+    $$
+
+    with ``q`` the RoPE query ``q_pe`` ``(B, L, H, R)``, ``k`` the cached RoPE
+    key ``(B, S, 1, R)``, ``v`` the cached latent ``c_KV`` ``(B, S, 1, C)`` and
+    ``qv`` the absorbed query ``q_nope W_UK`` ``(B, L, H, C)``; its output is
+    ``(B, L, H, C)`` (`from_mla_kernel_output` applies ``W_UV``).
+
+    **The trap.** Without ``softmax_scale``, FlashAttention 4 uses
+    ``1 / sqrt(head_dim + head_dim_v) = 1 / sqrt(R + C)`` (``1 / sqrt(576)``
+    in DeepSeek-V3; ``flash_attn/cute/interface.py``, ``_flash_attn_fwd``).
+    MLA's scores are the naive form's, regrouped, and need the naive scale
+    ``mscale^2 / sqrt(P + R)`` (``1 / sqrt(192)`` times YaRN's factor). So a
+    DeepSeek caller must pass ``softmax_scale``; this function always returns
+    it, `attention_ref.mla.softmax_scale` ``(P, R)`` unless ``scale`` is given.
+
+    With ``R = 0`` (Kimi Linear's NoPE MLA) ``q`` and ``k`` are None:
+    FlashAttention 4 then scores with ``qv`` alone.
+
+    Args:
+        q_nope: ``(B, H, L, P)``.
+        q_pe: ``(B, H, L, R)``, already rotated.
+        latent: ``(B, S, C)``, the cached ``c_KV``.
+        k_pe: ``(B, S, R)``, the cached RoPE key, already rotated.
+        w_uk: ``(H, P, C)``, from `attention_ref.mla.split_kv_b_proj`.
+        scale: the scale `attention_ref.mla.mla_absorbed` would use: default
+            ``1 / sqrt(P + R)``; pass `attention_ref.mla.softmax_scale` with
+            YaRN's ``mscale``.
+
+    Returns:
+        ``{"q", "k", "v", "qv", "softmax_scale"}``, keyword arguments of
+        ``flash_attn_func`` (add ``causal=`` and the rest yourself).
+
+    Raises:
+        TypeError: non-float tensors, tensors of different dtypes, a scale
+            that is not a number.
+        ValueError: shapes that do not fit, a non-positive scale.
+
+    Examples:
+        >>> import torch
+        >>> B, H, L, S, P, R, C = 2, 3, 1, 7, 11, 4, 13
+        >>> args = (torch.randn(B, H, L, P), torch.randn(B, H, L, R), torch.randn(B, S, C),
+        ...         torch.randn(B, S, R), torch.randn(H, P, C))
+        >>> fa4 = to_flash_attn_qv(*args)
+        >>> {name: tuple(t.shape) for name, t in fa4.items() if name != "softmax_scale"}
+        {'q': (2, 1, 3, 4), 'k': (2, 7, 1, 4), 'v': (2, 7, 1, 13), 'qv': (2, 1, 3, 13)}
+        >>> fa4["softmax_scale"] == 1 / (11 + 4) ** 0.5  # the naive form's, not 1 / sqrt(4 + 13)
+        True
+    """
+    from attention_ref.mla import softmax_scale
+
+    q_nope, q_pe, latent, k_pe, w_uk = _check_latent_args(q_nope, q_pe, latent, k_pe, w_uk)
+    scale = _check_kernel_scale("scale", scale)
+    P, R = q_nope.shape[-1], q_pe.shape[-1]
+    return {
+        "q": q_pe.transpose(1, 2) if R else None,  # (B, H, L, R) -> (B, L, H, R)
+        "k": k_pe.unsqueeze(2) if R else None,  # (B, S, R) -> (B, S, 1, R)
+        "v": latent.unsqueeze(2),  # (B, S, C) -> (B, S, 1, C)
+        "qv": _absorbed_query(q_nope, w_uk),  # (B, L, H, C)
+        "softmax_scale": softmax_scale(P, R) if scale is None else scale,
+    }
+
+
+def from_flash_attn_qv(
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    v: torch.Tensor,
+    qv: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> dict[str, torch.Tensor | float]:
+    r"""FlashAttention 4's ``qv`` call as keyword arguments of `attention_ref.mla.mla_absorbed`.
+
+    ``flash_attn_func(q, k, v, qv=qv, softmax_scale=s)`` computes
+    ``softmax(s * (q k^T + qv v^T)) v`` (see `to_flash_attn_qv`). The returned
+    arguments compute the same: ``qv`` as ``q_nope``, ``q`` as ``q_pe``, ``v``
+    as ``latent``, ``k`` as ``k_pe``, ``w_uk = w_uv = I``, so that
+    ``mla_absorbed(**args)`` ``(B, H, L, C)`` is FlashAttention 4's output
+    ``(B, L, H, C)`` transposed.
+
+    ``softmax_scale=None`` gives FlashAttention 4's default, the trap:
+    ``1 / sqrt(R + C)`` (``1 / sqrt(C)`` without ``q``), not MLA's
+    ``1 / sqrt(P + R)``: the call reproduced here is the kernel's, mistake
+    included.
+
+    Args:
+        q: ``(B, L, H, R)``, the RoPE query, or None (with ``k``) for NoPE MLA.
+        k: ``(B, S, 1, R)``, the RoPE key cache, or None.
+        v: ``(B, S, 1, C)``, the latent cache.
+        qv: ``(B, L, H, C)``, the absorbed query ``q_nope W_UK``.
+        softmax_scale: as passed to FlashAttention 4; None for its default.
+
+    Returns:
+        ``{"q_nope", "q_pe", "latent", "k_pe", "w_uk", "w_uv", "scale"}``.
+
+    Raises:
+        TypeError: non-float tensors, tensors of different dtypes, a scale
+            that is not a number.
+        ValueError: shapes that do not fit (more than one key/value head
+            included), only one of ``q`` and ``k``, a non-positive scale.
+
+    Examples:
+        >>> import math, torch
+        >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 5, 1, 4)
+        >>> v, qv = torch.randn(1, 5, 1, 7), torch.randn(1, 2, 3, 7)
+        >>> args = from_flash_attn_qv(q, k, v, qv)
+        >>> args["scale"] == 1 / math.sqrt(4 + 7)  # FlashAttention 4's default
+        True
+        >>> from attention_ref.mla import mla_absorbed
+        >>> mla_absorbed(**args).shape  # (B, H, L, C)
+        torch.Size([1, 3, 2, 7])
+    """
+    if (q is None) != (k is None):
+        raise ValueError(
+            f"q and k must both be tensors or both be None (NoPE MLA), got q {type(q).__name__} "
+            f"and k {type(k).__name__}"
+        )
+    qv = require_float_tensor("qv", qv, 4, "(B, L, H, C)")
+    v = require_float_tensor("v", v, 4, "(B, S, 1, C)")
+    if qv.dim() != 4:
+        raise ValueError(f"qv must have shape (B, L, H, C), got {fmt_shape(qv.shape)}")
+    B, L, H, C = qv.shape
+    latent = _one_kv_head("v", v, "(B, S, 1, C)")  # (B, S, C)
+    S = latent.shape[1]
+    if tuple(latent.shape) != (B, S, C):
+        raise ValueError(
+            f"v must have shape (B, S, 1, C) = ({B}, S, 1, {C}) (B, C from qv {fmt_shape(qv.shape)}), "
+            f"got {fmt_shape(v.shape)}"
+        )
+    if q is None:
+        q_pe = qv.new_zeros(B, L, H, 0)  # (B, L, H, 0): no RoPE part
+        k_pe = qv.new_zeros(B, S, 0)  # (B, S, 0)
+    else:
+        q_pe = require_float_tensor("q", q, 4, "(B, L, H, R)")
+        k = require_float_tensor("k", k, 4, "(B, S, 1, R)")
+        R = q_pe.shape[-1]
+        if q_pe.dim() != 4 or tuple(q_pe.shape[:3]) != (B, L, H):
+            raise ValueError(
+                f"q must have shape (B, L, H, R) = ({B}, {L}, {H}, R) (from qv {fmt_shape(qv.shape)}), "
+                f"got {fmt_shape(q_pe.shape)}"
+            )
+        k_pe = _one_kv_head("k", k, "(B, S, 1, R)")  # (B, S, R)
+        if tuple(k_pe.shape) != (B, S, R):
+            raise ValueError(
+                f"k must have shape (B, S, 1, R) = ({B}, {S}, 1, {R}) (from q {fmt_shape(q_pe.shape)} "
+                f"and v {fmt_shape(v.shape)}), got {fmt_shape(k.shape)}"
+            )
+        require_same_dtype_and_device(qv=qv, v=v, q=q_pe, k=k)
+    require_same_dtype_and_device(qv=qv, v=v)
+    scale = _check_kernel_scale("softmax_scale", softmax_scale)
+    if scale is None:  # FlashAttention 4's default: head_dim + head_dim_v with q, head_dim_v without
+        scale = 1.0 / math.sqrt(q_pe.shape[-1] + C)
+    return _mla_kwargs(qv, q_pe, latent, k_pe, scale)
+
+
+def to_flash_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> dict[str, torch.Tensor | int | float]:
+    """This package's MLA arguments as FlashMLA's ``flash_mla_with_kvcache`` (dense decoding, "MQA mode").
+
+    FlashMLA takes the absorbed query and the RoPE query in one tensor, ``q``
+    ``(B, L, H, C + R)`` (576 in DeepSeek-V3: ``[q_nope W_UK | q_pe]``), and
+    one key cache ``k_cache`` ``(num_blocks, page_block_size, 1, C + R)``
+    whose rows are ``[c_KV | k_pe]``; the value is the first ``head_dim_v = C``
+    (512) features of the same rows. Its output is ``(B, L, H, C)``
+    (`from_mla_kernel_output` applies ``W_UV``). Here every sequence gets one
+    page of ``S`` rows: ``k_cache`` ``(B, S, 1, C + R)``, ``block_table``
+    ``[[0], [1], ...]``, ``cache_seqlens`` all ``S`` (FlashMLA's kernels want
+    pages of 64 rows: re-page for a real call).
+
+    Without ``softmax_scale`` FlashMLA uses ``q.shape[-1] ** -0.5``,
+    ``1 / sqrt(576)``: the wrong scale for MLA. This function always returns
+    the naive form's (`attention_ref.mla.softmax_scale`) unless ``scale`` is given.
+
+    Args:
+        q_nope: ``(B, H, L, P)``.
+        q_pe: ``(B, H, L, R)``, already rotated.
+        latent: ``(B, S, C)``.
+        k_pe: ``(B, S, R)``, already rotated.
+        w_uk: ``(H, P, C)``.
+        scale: default ``1 / sqrt(P + R)``.
+
+    Returns:
+        ``{"q", "k_cache", "block_table", "cache_seqlens", "head_dim_v",
+        "softmax_scale"}``, keyword arguments of ``flash_mla_with_kvcache``
+        (add ``tile_scheduler_metadata`` and ``causal``); ``block_table`` and
+        ``cache_seqlens`` are int32.
+
+    Raises:
+        TypeError: non-float tensors, tensors of different dtypes, a scale
+            that is not a number.
+        ValueError: shapes that do not fit, a non-positive scale.
+
+    Examples:
+        >>> import torch
+        >>> B, H, L, S, P, R, C = 2, 3, 1, 7, 11, 4, 13
+        >>> mla = to_flash_mla(torch.randn(B, H, L, P), torch.randn(B, H, L, R), torch.randn(B, S, C),
+        ...                    torch.randn(B, S, R), torch.randn(H, P, C))
+        >>> tuple(mla["q"].shape), tuple(mla["k_cache"].shape), mla["head_dim_v"]
+        ((2, 1, 3, 17), (2, 7, 1, 17), 13)
+    """
+    from attention_ref.mla import softmax_scale
+
+    q_nope, q_pe, latent, k_pe, w_uk = _check_latent_args(q_nope, q_pe, latent, k_pe, w_uk)
+    scale = _check_kernel_scale("scale", scale)
+    (B, S, C), (P, R) = latent.shape, (q_nope.shape[-1], q_pe.shape[-1])
+    # (B, L, H, C) and (B, H, L, R) -> (B, L, H, R) -> (B, L, H, C + R)
+    q = torch.cat((_absorbed_query(q_nope, w_uk), q_pe.transpose(1, 2)), dim=-1)
+    k_cache = torch.cat((latent, k_pe), dim=-1).unsqueeze(2)  # (B, S, C + R) -> (B, S, 1, C + R)
+    return {
+        "q": q,
+        "k_cache": k_cache,
+        "block_table": torch.arange(B, dtype=torch.int32, device=latent.device)[:, None],  # (B, 1)
+        "cache_seqlens": torch.full((B,), S, dtype=torch.int32, device=latent.device),  # (B,)
+        "head_dim_v": C,
+        "softmax_scale": softmax_scale(P, R) if scale is None else scale,
+    }
+
+
+def _int_tensor(name: str, value: object, layout: str, dims: int) -> torch.Tensor:
+    tensor = require_tensor(name, value)
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor {layout}, got {tensor.dtype}")
+    if tensor.dim() != dims:
+        raise ValueError(f"{name} must have shape {layout}, got {fmt_shape(tensor.shape)}")
+    return tensor
+
+
+def _equal_lengths(name: str, lengths: torch.Tensor, what: str) -> int:
+    """The one length every sequence has; this package's form has one ``L`` and one ``S`` per batch."""
+    values = sorted({int(n) for n in lengths.tolist()})
+    if len(values) != 1 or values[0] < 0:
+        raise ValueError(
+            f"{name} must give every sequence the same {what} (this package's form is (B, ..., S)), "
+            f"got {lengths.tolist()}; convert sequences of different lengths one by one"
+        )
+    return values[0]
+
+
+def _gather_pages(name: str, cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` rows of ``cache[pages]``: ``(num_pages, page_size, ...)`` -> ``(length, ...)``."""
+    num_pages, page_size = cache.shape[0], cache.shape[1]
+    needed = -(-length // page_size) if page_size else 0
+    if pages.numel() < needed:
+        raise ValueError(
+            f"{name} lists {pages.numel()} pages of {page_size} rows for a sequence of {length} tokens, "
+            f"which needs {needed}"
+        )
+    used = pages[:needed].long()
+    if bool(((used < 0) | (used >= num_pages)).any()):
+        raise ValueError(f"{name} must hold page numbers in [0, {num_pages}), got {used.tolist()}")
+    return cache[used].flatten(0, 1)[:length]  # (needed, page_size, ...) -> (length, ...)
+
+
+def from_flash_mla(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float | None = None,
+) -> dict[str, torch.Tensor | float]:
+    """FlashMLA's ``flash_mla_with_kvcache`` call as keyword arguments of `attention_ref.mla.mla_absorbed`.
+
+    FlashMLA's dense decoding computes, for sequence ``b``, head ``h``, query ``i``:
+    ``softmax(softmax_scale * q[b, i, h] @ K^T) @ K[:, :head_dim_v]`` with ``K``
+    the first ``cache_seqlens[b]`` rows of ``k_cache[block_table[b]]`` (its
+    pages, in order). The returned arguments compute the same: ``q[..., :C]``
+    as ``q_nope`` (the absorbed query), ``q[..., C:]`` as ``q_pe``, the rows'
+    first ``C = head_dim_v`` features as ``latent``, the rest as ``k_pe``,
+    ``w_uk = w_uv = I``; ``mla_absorbed(**args)`` ``(B, H, L, C)`` is
+    FlashMLA's output ``(B, L, H, C)`` transposed. Every sequence must hold the
+    same number of keys (this package's form has one ``S``).
+
+    ``softmax_scale=None`` gives FlashMLA's default, ``q.shape[-1] ** -0.5``
+    (``1 / sqrt(576)``), not MLA's ``1 / sqrt(P + R)``.
+
+    Args:
+        q: ``(B, L, H, C + R)``.
+        k_cache: ``(num_blocks, page_block_size, 1, C + R)``.
+        block_table: ``(B, max_blocks)`` ints, the pages of each sequence.
+        cache_seqlens: ``(B,)`` ints, the keys each sequence holds (all equal).
+        head_dim_v: ``C``, the value size: the first ``C`` features of a row.
+        softmax_scale: as passed to FlashMLA; None for its default.
+
+    Returns:
+        ``{"q_nope", "q_pe", "latent", "k_pe", "w_uk", "w_uv", "scale"}``.
+
+    Raises:
+        TypeError: a non-float ``q`` or ``k_cache``, non-integer page tables
+            or lengths, different dtypes, a scale or ``head_dim_v`` of the wrong type.
+        ValueError: shapes that do not fit, more than one key/value head,
+            ``head_dim_v`` outside ``1 .. C + R``, sequences of different
+            lengths, a page table too short or out of range.
+
+    Examples:
+        >>> import torch
+        >>> q, k_cache = torch.randn(2, 1, 3, 17), torch.randn(2, 7, 1, 17)
+        >>> args = from_flash_mla(q, k_cache, torch.tensor([[0], [1]]), torch.tensor([7, 7]), 13)
+        >>> args["scale"] == 17 ** -0.5  # FlashMLA's default: 1/sqrt(576) for DeepSeek
+        True
+        >>> tuple(args["latent"].shape), tuple(args["k_pe"].shape)
+        ((2, 7, 13), (2, 7, 4))
+    """
+    q = require_float_tensor("q", q, 4, "(B, L, H, C + R)")
+    k_cache = require_float_tensor("k_cache", k_cache, 4, "(num_blocks, page_block_size, 1, C + R)")
+    require_same_dtype_and_device(q=q, k_cache=k_cache)
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape (B, L, H, C + R), got {fmt_shape(q.shape)}")
+    B, D = q.shape[0], q.shape[-1]
+    rows = _one_kv_head("k_cache", k_cache, "(num_blocks, page_block_size, 1, C + R)")  # (blocks, size, D)
+    if rows.shape[-1] != D:
+        raise ValueError(
+            f"k_cache must have shape (num_blocks, page_block_size, 1, C + R) with C + R = {D} "
+            f"(from q {fmt_shape(q.shape)}), got {fmt_shape(k_cache.shape)}"
+        )
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int):
+        raise TypeError(f"head_dim_v must be an int, got {type(head_dim_v).__name__}")
+    if not 0 < head_dim_v <= D:
+        raise ValueError(f"head_dim_v must be in 1 .. C + R = 1 .. {D}, got {head_dim_v}")
+    block_table = _int_tensor("block_table", block_table, "(B, max_blocks)", 2)
+    cache_seqlens = _int_tensor("cache_seqlens", cache_seqlens, "(B,)", 1)
+    if block_table.shape[0] != B or cache_seqlens.shape[0] != B:
+        raise ValueError(
+            f"block_table (B, max_blocks) and cache_seqlens (B,) must have B = {B} rows (from q "
+            f"{fmt_shape(q.shape)}), got {fmt_shape(block_table.shape)} and {fmt_shape(cache_seqlens.shape)}"
+        )
+    S = _equal_lengths("cache_seqlens", cache_seqlens, "number of keys")
+    scale = _check_kernel_scale("softmax_scale", softmax_scale)
+    # B times (S, D) -> (B, S, D): each sequence's pages in order, cut at S rows
+    kv = torch.stack([_gather_pages("block_table", rows, block_table[b], S) for b in range(B)]) if B else \
+        rows.new_zeros(0, S, D)
+    C = head_dim_v
+    return _mla_kwargs(q[..., :C], q[..., C:], kv[..., :C], kv[..., C:], D ** -0.5 if scale is None else scale)
+
+
+def to_flashinfer_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> tuple[dict[str, torch.Tensor | int | float], dict[str, torch.Tensor]]:
+    """This package's MLA arguments as FlashInfer's ``BatchMLAPagedAttentionWrapper.plan`` and ``.run``.
+
+    FlashInfer keeps the latent and the RoPE key in two paged caches,
+    ``ckv_cache`` ``(num_pages, page_size, C)`` and ``kpe_cache``
+    ``(num_pages, page_size, R)``, and takes the query in two parts, ragged
+    over the batch: ``q_nope`` ``(nnz, H, C)``, the **absorbed** query
+    ``q_nope W_UK`` despite its name, and ``q_pe`` ``(nnz, H, R)``. It computes
+    ``softmax(sm_scale * (q_nope ckv^T + q_pe kpe^T)) ckv``, output
+    ``(nnz, H, C)``. Here the ``B`` sequences of ``L`` queries are laid end to
+    end (``nnz = B L``, ``qo_indptr = [0, L, 2L, ...]``) and each gets one
+    page of ``S`` rows.
+
+    ``sm_scale`` has no default in FlashInfer; its docstring example passes
+    ``1 / sqrt(128 + 64)``, "the head dimension before matrix absorption",
+    which is what this function returns (`attention_ref.mla.softmax_scale`)
+    unless ``scale`` is given.
+
+    Args:
+        q_nope: ``(B, H, L, P)``.
+        q_pe: ``(B, H, L, R)``, already rotated.
+        latent: ``(B, S, C)``.
+        k_pe: ``(B, S, R)``, already rotated.
+        w_uk: ``(H, P, C)``.
+        scale: default ``1 / sqrt(P + R)``.
+
+    Returns:
+        ``(plan, run)``: ``plan`` = ``{"qo_indptr", "kv_indptr", "kv_indices",
+        "kv_len_arr", "num_heads", "head_dim_ckv", "head_dim_kpe", "page_size",
+        "sm_scale"}`` (int32 index tensors; add ``causal`` and the dtypes) and
+        ``run`` = ``{"q_nope", "q_pe", "ckv_cache", "kpe_cache"}``.
+
+    Raises:
+        TypeError: non-float tensors, tensors of different dtypes, a scale
+            that is not a number.
+        ValueError: shapes that do not fit, a non-positive scale.
+
+    Examples:
+        >>> import torch
+        >>> B, H, L, S, P, R, C = 2, 3, 1, 7, 11, 4, 13
+        >>> plan, run = to_flashinfer_mla(torch.randn(B, H, L, P), torch.randn(B, H, L, R),
+        ...                               torch.randn(B, S, C), torch.randn(B, S, R), torch.randn(H, P, C))
+        >>> {name: tuple(t.shape) for name, t in run.items()}
+        {'q_nope': (2, 3, 13), 'q_pe': (2, 3, 4), 'ckv_cache': (2, 7, 13), 'kpe_cache': (2, 7, 4)}
+        >>> plan["qo_indptr"].tolist(), plan["kv_len_arr"].tolist()
+        ([0, 1, 2], [7, 7])
+    """
+    from attention_ref.mla import softmax_scale
+
+    q_nope, q_pe, latent, k_pe, w_uk = _check_latent_args(q_nope, q_pe, latent, k_pe, w_uk)
+    scale = _check_kernel_scale("scale", scale)
+    (B, H, L, P), (S, C), R = q_nope.shape, latent.shape[1:], q_pe.shape[-1]
+    index = {"dtype": torch.int32, "device": latent.device}
+    plan: dict[str, torch.Tensor | int | float] = {
+        "qo_indptr": torch.arange(B + 1, **index) * L,  # (B + 1,): sequence b's queries at [b L, (b + 1) L)
+        "kv_indptr": torch.arange(B + 1, **index),  # (B + 1,): one page per sequence
+        "kv_indices": torch.arange(B, **index),  # (B,): sequence b's page is page b
+        "kv_len_arr": torch.full((B,), S, **index),  # (B,)
+        "num_heads": H,
+        "head_dim_ckv": C,
+        "head_dim_kpe": R,
+        "page_size": S,
+        "sm_scale": softmax_scale(P, R) if scale is None else scale,
+    }
+    run = {
+        "q_nope": _absorbed_query(q_nope, w_uk).reshape(B * L, H, C),  # (B, L, H, C) -> (B L, H, C)
+        "q_pe": q_pe.transpose(1, 2).reshape(B * L, H, R),  # (B, H, L, R) -> (B L, H, R)
+        "ckv_cache": latent,  # (B, S, C): B pages of S rows
+        "kpe_cache": k_pe,  # (B, S, R)
+    }
+    return plan, run
+
+
+def from_flashinfer_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    *,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_len_arr: torch.Tensor,
+    sm_scale: float,
+    num_heads: int | None = None,
+    head_dim_ckv: int | None = None,
+    head_dim_kpe: int | None = None,
+    page_size: int | None = None,
+) -> dict[str, torch.Tensor | float]:
+    """FlashInfer's MLA ``plan`` and ``run`` arguments as keyword arguments of `attention_ref.mla.mla_absorbed`.
+
+    For request ``b``, FlashInfer's queries are rows ``qo_indptr[b]`` to
+    ``qo_indptr[b + 1]`` of ``q_nope`` and ``q_pe``, and its keys the first
+    ``kv_len_arr[b]`` rows of the pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``
+    of ``ckv_cache`` and ``kpe_cache``; it computes
+    ``softmax(sm_scale * (q_nope ckv^T + q_pe kpe^T)) ckv``. The returned
+    arguments compute the same, with ``q_nope`` (already absorbed) passed as
+    this package's ``q_nope`` and ``w_uk = w_uv = I``; ``mla_absorbed(**args)``
+    is ``(B, H, L, C)``: FlashInfer's output ``(B L, H, C)`` is its
+    ``.transpose(1, 2).reshape(B * L, H, C)``. Every request must have the same
+    number of queries and of keys. ``from_flashinfer_mla(**run, **plan)``
+    undoes `to_flashinfer_mla`.
+
+    Args:
+        q_nope: ``(nnz, H, C)``, the absorbed query.
+        q_pe: ``(nnz, H, R)``.
+        ckv_cache: ``(num_pages, page_size, C)``.
+        kpe_cache: ``(num_pages, page_size, R)``.
+        qo_indptr: ``(B + 1,)`` ints, where each request's queries start.
+        kv_indptr: ``(B + 1,)`` ints, where each request's pages start in ``kv_indices``.
+        kv_indices: ints, page numbers.
+        kv_len_arr: ``(B,)`` ints, the keys each request holds.
+        sm_scale: FlashInfer's softmax scale (it has no default).
+        num_heads, head_dim_ckv, head_dim_kpe, page_size: ``plan``'s, checked
+            against the tensors when given.
+
+    Returns:
+        ``{"q_nope", "q_pe", "latent", "k_pe", "w_uk", "w_uv", "scale"}``.
+
+    Raises:
+        TypeError: non-float tensors, non-integer index tensors, different
+            dtypes, a scale that is not a number.
+        ValueError: shapes that do not fit, ``plan`` sizes that disagree with
+            the tensors, requests of different lengths, bad page lists.
+
+    Examples:
+        >>> import torch
+        >>> q_nope, q_pe = torch.randn(4, 3, 13), torch.randn(4, 3, 5)  # 2 requests of 2 queries
+        >>> ckv, kpe = torch.randn(6, 4, 13), torch.randn(6, 4, 5)  # 6 pages of 4 rows
+        >>> args = from_flashinfer_mla(q_nope, q_pe, ckv, kpe, qo_indptr=torch.tensor([0, 2, 4]),
+        ...     kv_indptr=torch.tensor([0, 2, 4]), kv_indices=torch.tensor([5, 0, 3, 1]),
+        ...     kv_len_arr=torch.tensor([7, 7]), sm_scale=0.1)
+        >>> tuple(args["q_nope"].shape), tuple(args["latent"].shape)  # (B, H, L, C), (B, S, C)
+        ((2, 3, 2, 13), (2, 7, 13))
+        >>> torch.equal(args["latent"][0, 4:], ckv[0, :3])  # request 0: page 5, then page 0
+        True
+    """
+    q_nope = require_float_tensor("q_nope", q_nope, 3, "(nnz, H, C)")
+    q_pe = require_float_tensor("q_pe", q_pe, 3, "(nnz, H, R)")
+    ckv_cache = require_float_tensor("ckv_cache", ckv_cache, 3, "(num_pages, page_size, C)")
+    kpe_cache = require_float_tensor("kpe_cache", kpe_cache, 3, "(num_pages, page_size, R)")
+    require_same_dtype_and_device(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache)
+    for name, tensor, layout in (("q_nope", q_nope, "(nnz, H, C)"), ("q_pe", q_pe, "(nnz, H, R)"),
+                                 ("ckv_cache", ckv_cache, "(num_pages, page_size, C)"),
+                                 ("kpe_cache", kpe_cache, "(num_pages, page_size, R)")):
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must have shape {layout}, got {fmt_shape(tensor.shape)}")
+    nnz, H, C = q_nope.shape
+    num_pages, size, R = kpe_cache.shape
+    expected = {"q_pe": ((nnz, H, R), q_pe), "ckv_cache": ((num_pages, size, C), ckv_cache)}
+    for name, (shape, tensor) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {fmt_shape(shape)} (nnz, H, C from q_nope {fmt_shape(q_nope.shape)}, "
+                f"num_pages, page_size, R from kpe_cache {fmt_shape(kpe_cache.shape)}), got {fmt_shape(tensor.shape)}"
+            )
+    for name, given, actual in (("num_heads", num_heads, H), ("head_dim_ckv", head_dim_ckv, C),
+                                ("head_dim_kpe", head_dim_kpe, R), ("page_size", page_size, size)):
+        if given is not None and given != actual:
+            raise ValueError(f"{name} = {given} disagrees with the tensors, which have {actual}")
+    qo_indptr = _int_tensor("qo_indptr", qo_indptr, "(B + 1,)", 1)
+    kv_indptr = _int_tensor("kv_indptr", kv_indptr, "(B + 1,)", 1)
+    kv_indices = _int_tensor("kv_indices", kv_indices, "(total pages,)", 1)
+    kv_len_arr = _int_tensor("kv_len_arr", kv_len_arr, "(B,)", 1)
+    B = kv_len_arr.shape[0]
+    if qo_indptr.shape[0] != B + 1 or kv_indptr.shape[0] != B + 1:
+        raise ValueError(
+            f"qo_indptr and kv_indptr must have shape (B + 1,) = ({B + 1},) (B from kv_len_arr "
+            f"{fmt_shape(kv_len_arr.shape)}), got {fmt_shape(qo_indptr.shape)} and {fmt_shape(kv_indptr.shape)}"
+        )
+    if int(qo_indptr[0]) != 0 or int(qo_indptr[-1]) != nnz:
+        raise ValueError(f"qo_indptr must run from 0 to nnz = {nnz}, got {qo_indptr.tolist()}")
+    L = _equal_lengths("qo_indptr", qo_indptr.diff(), "number of queries")
+    S = _equal_lengths("kv_len_arr", kv_len_arr, "number of keys")
+    scale = _check_kernel_scale("sm_scale", sm_scale)
+    if scale is None:
+        raise TypeError("sm_scale must be a positive finite float (FlashInfer has no default), got None")
+    pages = [kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])] for b in range(B)]
+    # B times (S, C) -> (B, S, C), and (B, S, R): each request's pages in order, cut at S rows
+    latent = torch.stack([_gather_pages("kv_indices", ckv_cache, p, S) for p in pages]) if B else \
+        ckv_cache.new_zeros(0, S, C)
+    k_pe = torch.stack([_gather_pages("kv_indices", kpe_cache, p, S) for p in pages]) if B else \
+        kpe_cache.new_zeros(0, S, R)
+    # (B L, H, C) -> (B, L, H, C): the kernels' batch-first layout
+    return _mla_kwargs(q_nope.reshape(B, L, H, C), q_pe.reshape(B, L, H, R), latent, k_pe, scale)
+
+
+def from_mla_kernel_output(
+    out: torch.Tensor, w_uv: torch.Tensor | None = None, *, batch_size: int | None = None
+) -> torch.Tensor:
+    """A latent kernel's output ``(B, L, H, C)`` as `attention_ref.mla.mla_absorbed`'s ``(B, H, L, Ev)``.
+
+    FlashAttention 4 (``qv``), FlashMLA and FlashInfer return each head's
+    weighted sum of latents, ``(B, L, H, C)`` (FlashInfer: ``(B L, H, C)``,
+    pass ``batch_size``); the model then applies ``W_UV`` per head. This
+    transposes to this package's layout and applies ``w_uv``.
+
+    Args:
+        out: ``(B, L, H, C)``, or ``(B L, H, C)`` with ``batch_size``.
+        w_uv: ``(H, Ev, C)``, from `attention_ref.mla.split_kv_b_proj`; None
+            to keep the latent, ``(B, H, L, C)``.
+        batch_size: ``B`` for a ragged ``(B L, H, C)`` output.
+
+    Returns:
+        ``(B, H, L, Ev)`` (``(B, H, L, C)`` without ``w_uv``).
+
+    Raises:
+        TypeError: non-float tensors, different dtypes, ``batch_size`` not an int.
+        ValueError: shapes that do not fit.
+
+    Examples:
+        >>> import torch
+        >>> from_mla_kernel_output(torch.randn(2, 5, 3, 13), torch.randn(3, 7, 13)).shape
+        torch.Size([2, 3, 5, 7])
+        >>> from_mla_kernel_output(torch.randn(10, 3, 13), batch_size=2).shape
+        torch.Size([2, 3, 5, 13])
+    """
+    out = require_float_tensor("out", out, 3, "(B, L, H, C)")
+    if batch_size is not None:
+        check_positive_int("batch_size", batch_size)
+        if out.dim() != 3 or out.shape[0] % batch_size:
+            raise ValueError(
+                f"out must have shape (B L, H, C) with B = batch_size = {batch_size} dividing its dim 0, "
+                f"got {fmt_shape(out.shape)}"
+            )
+        out = out.reshape(batch_size, out.shape[0] // batch_size, *out.shape[1:])  # (B L, H, C) -> (B, L, H, C)
+    if out.dim() != 4:
+        raise ValueError(f"out must have shape (B, L, H, C) (or (B L, H, C) with batch_size), got {fmt_shape(out.shape)}")
+    latent_out = out.transpose(1, 2)  # (B, L, H, C) -> (B, H, L, C)
+    if w_uv is None:
+        return latent_out
+    w_uv = require_float_tensor("w_uv", w_uv, 3, "(H, Ev, C)")
+    require_same_dtype_and_device(out=out, w_uv=w_uv)
+    H, C = out.shape[2], out.shape[3]
+    if w_uv.dim() != 3 or (w_uv.shape[0], w_uv.shape[2]) != (H, C):
+        raise ValueError(
+            f"w_uv must have shape (H, Ev, C) = ({H}, Ev, {C}) (from out {fmt_shape(out.shape)}), "
+            f"got {fmt_shape(w_uv.shape)}"
+        )
+    return torch.einsum("bhlc,hvc->bhlv", latent_out, w_uv)  # (B, H, L, C) x (H, Ev, C) -> (B, H, L, Ev)

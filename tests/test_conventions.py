@@ -15,6 +15,11 @@
   FlashMLA's ``tests/ref.py``, gpt-oss's ``sdpa`` by loops) or called from
   transformers (gpt_oss and Granite-SWA ``eager_attention_forward``), with rows
   that have no key in every case;
+- (e) multi-head latent attention in three kernels' layouts (FlashAttention 4's
+  ``qv``, FlashMLA's 576/512 MQA cache, FlashInfer's ``ckv``/``kpe``): each kernel's
+  formula written here plainly, in its own layout (pages and ragged queries
+  included), against `attention_ref.mla`'s two forms after conversion, in float64
+  to 1e-12, both ways; the kernels' default scale shown to be the wrong one;
 - the errors, with their messages.
 """
 
@@ -33,17 +38,26 @@ from attention_ref.conventions import (
     from_flash_attn_alibi,
     from_flash_attn_causal,
     from_flash_attn_lse,
+    from_flash_attn_qv,
     from_flash_attn_window,
+    from_flash_mla,
     from_flash_mla_lse,
     from_flashinfer_lse,
+    from_flashinfer_mla,
     from_hf_alibi,
     from_hf_sliding_window,
+    from_mla_kernel_output,
     gpt_oss_sink_attention,
     granite_swa_sink_attention,
     to_flash_attn_lse,
+    to_flash_attn_qv,
+    to_flash_mla,
     to_flash_mla_lse,
     to_flashinfer_lse,
+    to_flashinfer_mla,
 )
+from attention_ref.masks import causal_mask
+from attention_ref.mla import mla_absorbed, mla_naive, softmax_scale, yarn_mscale
 
 SIZES = [(5, 7), (7, 5), (11, 11), (3, 13)]  # (L, S): L < S, L > S, L == S
 TOL = {"atol": 1e-12, "rtol": 1e-10}
@@ -706,5 +720,299 @@ _SINKS = torch.zeros(3)
     ],
 )
 def test_bad_sink_and_lse_input_names_the_argument_and_both_values(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# --- (e) multi-head latent attention in three kernels' layouts ---------------------------------
+
+MLA_TOL = {"atol": 1e-12, "rtol": 0}
+# (L, S, causal): decoding several tokens (L < S), L > S without a mask, L == S causal
+MLA_CASES = [(1, 7, False), (5, 7, True), (7, 5, False), (7, 7, True)]
+
+
+def _mla_args(L: int, S: int, *, B: int = 2, H: int = 3, P: int = 11, R: int = 13, C: int = 17, Ev: int = 19,
+              seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``(q_nope, q_pe, latent, k_pe, w_uk, w_uv)`` in float64, distinct sizes."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, H, L, P), (B, H, L, R), (B, S, C), (B, S, R), (H, P, C), (H, Ev, C)]
+    return tuple(torch.randn(*shape, generator=g, dtype=torch.float64) / 2 for shape in shapes)
+
+
+def _bottom_right(L: int, S: int) -> torch.Tensor:
+    """The kernels' ``causal=True``: key ``j`` for query ``i`` when ``j <= i + S - L``, by loops."""
+    return _dense(lambda i, j: j <= i + S - L, L, S)
+
+
+def _fa4_qv_reference(q, k, v, qv, softmax_scale=None, causal=False):
+    """FlashAttention 4 with ``qv``: ``softmax(scale (q k^T + qv v^T)) v``, its layout ``(B, L, H, D)``.
+
+    Its default scale: ``1 / sqrt(head_dim + head_dim_v)`` with ``q``, ``1 / sqrt(head_dim_v)`` without.
+    """
+    v1 = v[:, :, 0]  # (B, S, C): one key/value head
+    scores = torch.einsum("blhc,bsc->bhls", qv, v1)
+    if q is not None:
+        scores = scores + torch.einsum("blhr,bsr->bhls", q, k[:, :, 0])
+    if softmax_scale is None:
+        softmax_scale = 1 / math.sqrt((0 if q is None else q.shape[-1]) + v.shape[-1])
+    scores = softmax_scale * scores
+    if causal:
+        scores = scores.masked_fill(~_bottom_right(qv.shape[1], v.shape[1]), float("-inf"))
+    return torch.einsum("bhls,bsc->blhc", scores.softmax(-1), v1)  # (B, L, H, C)
+
+
+def _flash_mla_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale=None, causal=False):
+    """FlashMLA's dense decoding (after its ``tests/ref.py``), sequence by sequence: ``(B, L, H, head_dim_v)``."""
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    page = k_cache.shape[1]
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        rows = [k_cache[int(block_table[b, t // page]), t % page, 0] for t in range(n)]
+        kv = torch.stack(rows)  # (S, C + R): token t in page block_table[b, t // page], row t % page
+        scores = softmax_scale * torch.einsum("lhd,sd->hls", q[b], kv)
+        if causal:
+            scores = scores.masked_fill(~_bottom_right(q.shape[1], n), float("-inf"))
+        outs.append(torch.einsum("hls,sv->lhv", scores.softmax(-1), kv[:, :head_dim_v]))
+    return torch.stack(outs)
+
+
+def _flashinfer_mla_reference(q_nope, q_pe, ckv_cache, kpe_cache, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr,
+                              sm_scale, causal=False, **plan):
+    """FlashInfer's MLA (after its ``attention_ref`` on absorbed tensors), request by request: ``(nnz, H, C)``."""
+    page = ckv_cache.shape[1]
+    out = torch.empty_like(q_nope)
+    for b in range(kv_len_arr.shape[0]):
+        pages = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
+        n, lo, hi = int(kv_len_arr[b]), int(qo_indptr[b]), int(qo_indptr[b + 1])
+        ckv = torch.stack([ckv_cache[int(pages[t // page]), t % page] for t in range(n)])  # (S, C)
+        kpe = torch.stack([kpe_cache[int(pages[t // page]), t % page] for t in range(n)])  # (S, R)
+        scores = torch.einsum("lhc,sc->hls", q_nope[lo:hi], ckv) + torch.einsum("lhr,sr->hls", q_pe[lo:hi], kpe)
+        scores = sm_scale * scores
+        if causal:
+            scores = scores.masked_fill(~_bottom_right(hi - lo, n), float("-inf"))
+        out[lo:hi] = torch.einsum("hls,sc->lhc", scores.softmax(-1), ckv)
+    return out
+
+
+def _package(args, causal, **kwargs):
+    """`mla_naive` and `mla_absorbed` with the kernels' bottom-right causal mask."""
+    L, S = args[1].shape[2], args[2].shape[1]
+    mask = causal_mask(L, S, alignment="bottom_right") if causal else None
+    return mla_naive(*args, mask, **kwargs), mla_absorbed(*args, mask, **kwargs)
+
+
+@pytest.mark.parametrize("L,S,causal", MLA_CASES)
+@pytest.mark.parametrize("mscale", [1.0, yarn_mscale(40.0)])
+def test_to_flash_attn_qv_computes_mla(L, S, causal, mscale):
+    args = _mla_args(L, S)
+    scale = softmax_scale(11, 13, mscale=mscale)
+    fa4 = to_flash_attn_qv(*args[:5], scale=None if mscale == 1.0 else scale)
+    assert fa4["softmax_scale"] == scale
+    out = from_mla_kernel_output(_fa4_qv_reference(**fa4, causal=causal), args[5])  # (B, H, L, Ev)
+    for form in _package(args, causal, scale=scale):
+        torch.testing.assert_close(out, form, **MLA_TOL)
+
+
+@pytest.mark.parametrize("L,S,causal", MLA_CASES)
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+def test_from_flash_attn_qv_computes_the_kernel(L, S, causal, softmax_scale):
+    g = torch.Generator().manual_seed(1)
+    B, H, R, C = 2, 3, 5, 7
+    q, k = torch.randn(B, L, H, R, generator=g, dtype=torch.float64), torch.randn(B, S, 1, R, generator=g, dtype=torch.float64)
+    v, qv = torch.randn(B, S, 1, C, generator=g, dtype=torch.float64), torch.randn(B, L, H, C, generator=g, dtype=torch.float64)
+    expected = _fa4_qv_reference(q, k, v, qv, softmax_scale, causal)  # (B, L, H, C)
+    args = from_flash_attn_qv(q, k, v, qv, softmax_scale)
+    mask = causal_mask(L, S, alignment="bottom_right") if causal else None
+    for form in (mla_naive, mla_absorbed):
+        torch.testing.assert_close(form(**args, attn_mask=mask), expected.transpose(1, 2), **MLA_TOL)
+    # NoPE MLA (Kimi Linear): qv alone, default scale 1 / sqrt(C)
+    args = from_flash_attn_qv(None, None, v, qv)
+    assert args["scale"] == 1 / math.sqrt(C)
+    torch.testing.assert_close(mla_absorbed(**args), _fa4_qv_reference(None, None, v, qv).transpose(1, 2), **MLA_TOL)
+
+
+def test_to_and_from_flash_attn_qv_give_back_mla():
+    args = _mla_args(3, 7)
+    round_trip = mla_absorbed(**from_flash_attn_qv(**to_flash_attn_qv(*args[:5])))  # (B, H, L, C)
+    torch.testing.assert_close(from_mla_kernel_output(round_trip.transpose(1, 2), args[5]), mla_naive(*args), **MLA_TOL)
+    # NoPE: R = 0 gives q = k = None, and back
+    nope = _mla_args(3, 7, R=0)
+    fa4 = to_flash_attn_qv(*nope[:5])
+    assert fa4["q"] is None and fa4["k"] is None
+    out = from_mla_kernel_output(_fa4_qv_reference(**fa4), nope[5])
+    torch.testing.assert_close(out, mla_naive(*nope), **MLA_TOL)
+
+
+@pytest.mark.parametrize("L,S,causal", MLA_CASES)
+def test_to_flash_mla_computes_mla(L, S, causal):
+    args = _mla_args(L, S)
+    mla = to_flash_mla(*args[:5])
+    assert mla["q"].shape[-1] == 17 + 13 and mla["head_dim_v"] == 17 and mla["softmax_scale"] == 1 / math.sqrt(24)
+    out = from_mla_kernel_output(_flash_mla_reference(**mla, causal=causal), args[5])
+    for form in _package(args, causal):
+        torch.testing.assert_close(out, form, **MLA_TOL)
+
+
+@pytest.mark.parametrize("L,S,causal", MLA_CASES)
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+def test_from_flash_mla_reads_a_paged_cache(L, S, causal, softmax_scale):
+    g = torch.Generator().manual_seed(2)
+    B, H, D, C, page = 2, 3, 13, 11, 3
+    q = torch.randn(B, L, H, D, generator=g, dtype=torch.float64)
+    k_cache = torch.randn(7, page, 1, D, generator=g, dtype=torch.float64)  # 7 pages of 3 rows
+    block_table = torch.tensor([[4, 0, 6, 2], [1, 5, 3, 2]], dtype=torch.int32)  # pages out of order
+    cache_seqlens = torch.tensor([S, S], dtype=torch.int32)
+    expected = _flash_mla_reference(q, k_cache, block_table, cache_seqlens, C, softmax_scale, causal)
+    args = from_flash_mla(q, k_cache, block_table, cache_seqlens, C, softmax_scale)
+    mask = causal_mask(L, S, alignment="bottom_right") if causal else None
+    for form in (mla_naive, mla_absorbed):
+        torch.testing.assert_close(form(**args, attn_mask=mask), expected.transpose(1, 2), **MLA_TOL)
+    # and back: this package's arguments laid out again give the same call
+    args = _mla_args(L, S)
+    round_trip = mla_absorbed(**from_flash_mla(**to_flash_mla(*args[:5])))
+    torch.testing.assert_close(from_mla_kernel_output(round_trip.transpose(1, 2), args[5]), mla_naive(*args), **MLA_TOL)
+
+
+@pytest.mark.parametrize("L,S,causal", MLA_CASES)
+def test_to_flashinfer_mla_computes_mla(L, S, causal):
+    args = _mla_args(L, S)
+    plan, run = to_flashinfer_mla(*args[:5])
+    assert plan["sm_scale"] == 1 / math.sqrt(24) and plan["head_dim_ckv"] == 17 and plan["head_dim_kpe"] == 13
+    out = _flashinfer_mla_reference(**run, **plan, causal=causal)  # (B L, H, C)
+    out = from_mla_kernel_output(out, args[5], batch_size=2)
+    for form in _package(args, causal):
+        torch.testing.assert_close(out, form, **MLA_TOL)
+
+
+@pytest.mark.parametrize("L,S,causal", MLA_CASES)
+def test_from_flashinfer_mla_reads_ragged_queries_and_pages(L, S, causal):
+    g = torch.Generator().manual_seed(3)
+    B, H, C, R, page = 2, 3, 11, 5, 3
+    q_nope = torch.randn(B * L, H, C, generator=g, dtype=torch.float64)
+    q_pe = torch.randn(B * L, H, R, generator=g, dtype=torch.float64)
+    ckv, kpe = torch.randn(7, page, C, generator=g, dtype=torch.float64), torch.randn(7, page, R, generator=g, dtype=torch.float64)
+    pages = -(-S // page)
+    plan = {
+        "qo_indptr": torch.tensor([0, L, 2 * L], dtype=torch.int32),
+        "kv_indptr": torch.tensor([0, pages, 2 * pages], dtype=torch.int32),
+        "kv_indices": torch.tensor([6, 0, 4, 1, 5, 3][:pages] + [2, 5, 0, 3][:pages], dtype=torch.int32),
+        "kv_len_arr": torch.tensor([S, S], dtype=torch.int32),
+        "sm_scale": 0.3,
+    }
+    expected = _flashinfer_mla_reference(q_nope, q_pe, ckv, kpe, **plan, causal=causal)  # (B L, H, C)
+    args = from_flashinfer_mla(q_nope, q_pe, ckv, kpe, **plan)
+    mask = causal_mask(L, S, alignment="bottom_right") if causal else None
+    for form in (mla_naive, mla_absorbed):
+        out = form(**args, attn_mask=mask).transpose(1, 2).reshape(B * L, H, C)  # (B, H, L, C) -> (B L, H, C)
+        torch.testing.assert_close(out, expected, **MLA_TOL)
+    args = _mla_args(L, S)
+    plan, run = to_flashinfer_mla(*args[:5])
+    round_trip = mla_absorbed(**from_flashinfer_mla(**run, **plan))
+    torch.testing.assert_close(from_mla_kernel_output(round_trip.transpose(1, 2), args[5]), mla_naive(*args), **MLA_TOL)
+
+
+def test_the_three_layouts_agree():
+    args = _mla_args(2, 11)
+    expected = mla_absorbed(*args)
+    fa4 = from_mla_kernel_output(_fa4_qv_reference(**to_flash_attn_qv(*args[:5])), args[5])
+    mla = from_mla_kernel_output(_flash_mla_reference(**to_flash_mla(*args[:5])), args[5])
+    plan, run = to_flashinfer_mla(*args[:5])
+    infer = from_mla_kernel_output(_flashinfer_mla_reference(**run, **plan), args[5], batch_size=2)
+    for out in (fa4, mla, infer):
+        torch.testing.assert_close(out, expected, **MLA_TOL)
+
+
+def test_the_kernels_default_scale_is_the_trap():
+    # FlashAttention 4 and FlashMLA default to 1 / sqrt(C + R), MLA needs 1 / sqrt(P + R)
+    args = _mla_args(3, 11)
+    P, R, C = 11, 13, 17
+    right = mla_naive(*args)
+    fa4 = to_flash_attn_qv(*args[:5])
+    assert fa4.pop("softmax_scale") == softmax_scale(P, R) != 1 / math.sqrt(C + R)
+    wrong_fa4 = from_mla_kernel_output(_fa4_qv_reference(**fa4), args[5])  # the caller left the default
+    mla = to_flash_mla(*args[:5])
+    del mla["softmax_scale"]
+    wrong_mla = from_mla_kernel_output(_flash_mla_reference(**mla), args[5])
+    for wrong in (wrong_fa4, wrong_mla):
+        assert (wrong - right).abs().max() > 1e-2
+        torch.testing.assert_close(wrong, mla_naive(*args, scale=1 / math.sqrt(C + R)), **MLA_TOL)
+    # and from_* reproduces the kernels' default, mistake included
+    assert from_flash_attn_qv(**fa4)["scale"] == 1 / math.sqrt(C + R)
+    assert from_flash_mla(**mla)["scale"] == 1 / math.sqrt(C + R)
+
+
+def _fa4_inputs(B=2, L=3, H=5, S=7, R=4, C=6):
+    return {"q": torch.randn(B, L, H, R), "k": torch.randn(B, S, 1, R), "v": torch.randn(B, S, 1, C),
+            "qv": torch.randn(B, L, H, C)}
+
+
+def _mla_inputs(**sizes):
+    return _mla_args(3, 7, **sizes)[:5]
+
+
+_MLA_ERRORS = [
+    (lambda: to_flash_attn_qv(*_mla_inputs(), scale=0.0), ValueError,
+     _msg("scale must be a positive finite float or None, got 0.0")),
+    (lambda: to_flash_attn_qv(*_mla_inputs(), scale="1"), TypeError, _msg("scale must be a positive finite float")),
+    (lambda: to_flash_mla(*_mla_inputs()[:2], torch.randn(2, 7, 5, dtype=torch.float64), *_mla_inputs()[3:]),
+     ValueError, _msg("w_uk must have shape (H, P, C) = (3, 11, 5)", "got (3, 11, 17)")),
+    (lambda: to_flashinfer_mla(*_mla_inputs()[:4], torch.randn(3, 11, 17)), TypeError,
+     _msg("w_uk must have the same dtype as q_nope (torch.float64), got torch.float32")),
+    (lambda: to_flash_attn_qv(torch.randn(2, 3, 11), *_mla_inputs()[1:]), ValueError,
+     _msg("q_nope must have at least 4 dims (B, H, L, P), got 3 dims")),
+    (lambda: from_flash_attn_qv(**{**_fa4_inputs(), "k": None}), ValueError,
+     _msg("q and k must both be tensors or both be None", "got q Tensor and k NoneType")),
+    (lambda: from_flash_attn_qv(**{**_fa4_inputs(), "v": torch.randn(2, 7, 2, 6)}), ValueError,
+     _msg("v must have shape (B, S, 1, C) with one key/value head", "got (2, 7, 2, 6)")),
+    (lambda: from_flash_attn_qv(**{**_fa4_inputs(), "k": torch.randn(2, 8, 1, 4)}), ValueError,
+     _msg("k must have shape (B, S, 1, R) = (2, 7, 1, 4)", "got (2, 8, 1, 4)")),
+    (lambda: from_flash_attn_qv(**_fa4_inputs(), softmax_scale=-1.0), ValueError,
+     _msg("softmax_scale must be a positive finite float or None, got -1.0")),
+    (lambda: from_flash_mla(torch.randn(2, 1, 3, 17), torch.randn(2, 7, 1, 17), torch.tensor([[0], [1]]),
+                            torch.tensor([7, 6]), 13), ValueError,
+     _msg("cache_seqlens must give every sequence the same number of keys", "got [7, 6]")),
+    (lambda: from_flash_mla(torch.randn(2, 1, 3, 17), torch.randn(2, 7, 1, 17), torch.tensor([[0], [2]]),
+                            torch.tensor([7, 7]), 13), ValueError,
+     _msg("block_table must hold page numbers in [0, 2), got [2]")),
+    (lambda: from_flash_mla(torch.randn(2, 1, 3, 17), torch.randn(2, 3, 1, 17), torch.tensor([[0], [1]]),
+                            torch.tensor([7, 7]), 13), ValueError,
+     _msg("block_table lists 1 pages of 3 rows for a sequence of 7 tokens, which needs 3")),
+    (lambda: from_flash_mla(torch.randn(2, 1, 3, 17), torch.randn(2, 7, 1, 16), torch.tensor([[0], [1]]),
+                            torch.tensor([7, 7]), 13), ValueError,
+     _msg("k_cache must have shape (num_blocks, page_block_size, 1, C + R) with C + R = 17", "got (2, 7, 1, 16)")),
+    (lambda: from_flash_mla(torch.randn(2, 1, 3, 17), torch.randn(2, 7, 1, 17), torch.tensor([[0], [1]]),
+                            torch.tensor([7, 7]), 18), ValueError,
+     _msg("head_dim_v must be in 1 .. C + R = 1 .. 17, got 18")),
+    (lambda: from_flash_mla(torch.randn(2, 1, 3, 17), torch.randn(2, 7, 1, 17), torch.tensor([[0.0], [1.0]]),
+                            torch.tensor([7, 7]), 13), TypeError,
+     _msg("block_table must be an integer tensor (B, max_blocks), got torch.float32")),
+    (lambda: from_flashinfer_mla(**to_flashinfer_mla(*_mla_inputs())[1], **{
+        **to_flashinfer_mla(*_mla_inputs())[0], "kv_len_arr": torch.tensor([7, 5], dtype=torch.int32)}),
+     ValueError, _msg("kv_len_arr must give every sequence the same number of keys", "got [7, 5]")),
+    (lambda: from_flashinfer_mla(**to_flashinfer_mla(*_mla_inputs())[1], **{
+        **to_flashinfer_mla(*_mla_inputs())[0], "qo_indptr": torch.tensor([0, 2, 6], dtype=torch.int32)}),
+     ValueError, _msg("qo_indptr must give every sequence the same number of queries", "got [2, 4]")),
+    (lambda: from_flashinfer_mla(**to_flashinfer_mla(*_mla_inputs())[1], **{
+        **to_flashinfer_mla(*_mla_inputs())[0], "head_dim_kpe": 64}),
+     ValueError, _msg("head_dim_kpe = 64 disagrees with the tensors, which have 13")),
+    (lambda: from_flashinfer_mla(**to_flashinfer_mla(*_mla_inputs())[1], **{
+        **to_flashinfer_mla(*_mla_inputs())[0], "sm_scale": None}),
+     TypeError, _msg("sm_scale must be a positive finite float (FlashInfer has no default), got None")),
+    (lambda: from_flashinfer_mla(**to_flashinfer_mla(*_mla_inputs())[1], **{
+        **to_flashinfer_mla(*_mla_inputs())[0], "kv_indices": torch.tensor([0, 9], dtype=torch.int32)}),
+     ValueError, _msg("kv_indices must hold page numbers in [0, 2), got [9]")),
+    (lambda: from_mla_kernel_output(torch.randn(2, 5, 3, 13), torch.randn(3, 7, 11)), ValueError,
+     _msg("w_uv must have shape (H, Ev, C) = (3, Ev, 13)", "got (3, 7, 11)")),
+    (lambda: from_mla_kernel_output(torch.randn(9, 3, 13), batch_size=2), ValueError,
+     _msg("out must have shape (B L, H, C) with B = batch_size = 2 dividing its dim 0, got (9, 3, 13)")),
+    (lambda: from_mla_kernel_output(torch.randn(9, 3, 13)), ValueError,
+     _msg("out must have shape (B, L, H, C) (or (B L, H, C) with batch_size), got (9, 3, 13)")),
+]
+
+
+@pytest.mark.parametrize("call,error,message", _MLA_ERRORS)
+def test_bad_mla_layout_input_names_the_argument_and_both_values(call, error, message):
     with pytest.raises(error, match=message):
         call()
