@@ -283,3 +283,234 @@ def test_deepseek_v32_with_top_k_shorter_than_the_prompt_equals_eager():
     expected = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     model.set_attn_implementation(NAME)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), expected)
+
+
+# --- the lightning indexer --------------------------------------------------------------------
+
+
+from torch.overrides import TorchFunctionMode
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+    DeepseekV32Indexer,
+    DeepseekV32RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from attention_ref.mla import apply_rope
+from attention_ref.sparse import (
+    LightningIndexer,
+    assert_topk_close,
+    indexer_rope,
+    lightning_indexer,
+)
+
+
+class _TopkInput(TorchFunctionMode):
+    """Records the tensor ``topk`` is called on: transformers' indexer returns indices only, not its scores."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.topk:
+            self.scores = args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _hf_indexer(seed=0):
+    """transformers' indexer of the tiny V3.2 (E=16, R=8, H=4, k=4), every weight random, its inputs for L=13."""
+    config = _deepseek_v32().config
+    torch.manual_seed(seed)
+    indexer = DeepseekV32Indexer(config, 0)
+    with torch.no_grad():
+        for p in indexer.parameters():  # LayerNorm's weight and bias too
+            p.copy_(torch.randn_like(p))
+    gen = torch.Generator().manual_seed(seed + 1)
+    Lh = 13
+    x, c_q = torch.randn(B, Lh, 64, generator=gen), torch.randn(B, Lh, 32, generator=gen)
+    cos, sin = DeepseekV32RotaryEmbedding(config)(x, torch.arange(Lh).expand(B, Lh))  # (B, L, R) each
+    return indexer, x, c_q, (cos, sin)
+
+
+def test_lightning_indexer_by_hand():
+    q = torch.tensor([[[1.0, 0.0], [0.0, 2.0]], [[0.0, 1.0], [1.0, 1.0]]], dtype=torch.float64)  # (H, L, E)
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 2.0]], dtype=torch.float64)  # (S, E)
+    w = torch.tensor([[1.0, 0.5], [0.5, 2.0]], dtype=torch.float64)  # (H, L)
+    idx, scores = lightning_indexer(q, k, w, 2, scale=1.0, return_scores=True)
+    # query 0: relu(q_0 . k) = [1, 0, 0] and [0, 1, 2]: 1 * [1, 0, 0] + 0.5 * [0, 1, 2]
+    # query 1: [0, 2, 4] and [1, 1, 1]: 0.5 * [0, 2, 4] + 2 * [1, 1, 1]
+    assert scores.tolist() == [[1.0, 0.5, 1.0], [2.0, 3.0, 4.0]]
+    assert idx[1].tolist() == [2, 1] and sorted(idx[0].tolist()) == [0, 2]
+    assert_topk_close(idx, scores)
+    _, half = lightning_indexer(q, k, w, 2, return_scores=True)  # the default scale 1/sqrt(E)
+    torch.testing.assert_close(half, scores / 2 ** 0.5, rtol=0, atol=1e-15)
+    causal, masked = lightning_indexer(q, k, w, 2, is_causal=True, scale=1.0, return_scores=True)
+    assert causal.tolist() == [[0, -1], [1, 0]]  # query 0 sees key 0 only: -1 pads
+    assert masked[0, 1:].isneginf().all()
+    assert lightning_indexer(q, k, w, 9).shape == (2, 3)  # (L, min(topk, S))
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_lightning_indexer_equals_transformers(mask_kind):
+    """Scores equal transformers' (the tensor its topk reads), and the same keys are selected."""
+    hf_indexer, x, c_q, (cos, sin) = _hf_indexer()
+    Lh = x.shape[1]
+    keep = causal_mask(Lh).expand(B, Lh, Lh)  # (B, L, S) as transformers passes it to its indexer
+    mask = keep if mask_kind == "bool" else torch.zeros(B, Lh, Lh).masked_fill(~keep, torch.finfo(torch.float32).min)
+    with _TopkInput() as seen:
+        theirs = hf_indexer(x, c_q, (cos, sin), mask, None)  # (B, L, k) int32
+    ours = LightningIndexer.from_hf(hf_indexer)
+    idx, scores = ours(x, c_q, (cos[..., :4], sin[..., :4]), mask, return_scores=True)
+    torch.testing.assert_close(scores, seen.scores, rtol=1e-6, atol=1e-5)
+    assert_topk_close(theirs, scores)  # theirs judged by our scores, and ours by theirs
+    assert_topk_close(idx, seen.scores)
+    valid = [[sorted(j for j in row if j <= i) for i, row in enumerate(batch)] for batch in theirs.tolist()]
+    assert [[sorted(j for j in row if j != -1) for row in batch] for batch in idx.tolist()] == valid \
+        if mask_kind == "bool" else idx.tolist() == theirs.long().tolist()
+    assert (idx[:, :3] == -1).sum() == (B * (3 + 2 + 1) if mask_kind == "bool" else 0)  # queries 0-2: < k keys
+
+
+def test_indexer_rope_is_half_split_on_the_first_dims():
+    """Not MLA's convention (interleaved, last dims): the two give other keys."""
+    _, _, _, (cos, sin) = _hf_indexer()
+    q = torch.randn(B, 1, 13, 16, generator=torch.Generator().manual_seed(5))  # (B, H, L, E)
+    theirs, _ = apply_rotary_pos_emb(q[..., :8], q[..., :8], cos, sin, unsqueeze_dim=1)
+    ours = indexer_rope(q, cos[:, None, :, :4], sin[:, None, :, :4])
+    torch.testing.assert_close(ours[..., :8], theirs, rtol=0, atol=1e-6)
+    assert torch.equal(ours[..., 8:], q[..., 8:])
+    interleaved = apply_rope(q[..., :8], cos[:, None, :, :4], sin[:, None, :, :4], interleaved=True)
+    assert (interleaved - theirs).abs().max() > 0.1
+
+
+def test_scale_changes_the_scores_never_the_selection():
+    gen = torch.Generator().manual_seed(6)
+    q, k, w = torch.randn(H, L, E, generator=gen), torch.randn(S, E, generator=gen), torch.rand(H, L, generator=gen)
+    idx, scores = lightning_indexer(q, k, w, K, return_scores=True)
+    idx3, scores3 = lightning_indexer(q, k, w, K, scale=3 * E ** -0.5, return_scores=True)
+    torch.testing.assert_close(scores3, 3 * scores)
+    assert torch.equal(idx, idx3)
+
+
+def test_the_selection_feeds_topk_attention():
+    hf_indexer, x, c_q, (cos, sin) = _hf_indexer()
+    idx = LightningIndexer.from_hf(hf_indexer)(x, c_q, (cos[..., :4], sin[..., :4]), is_causal=True)  # (B, L, k)
+    q, k, v = (torch.randn(B, 3, 13, 8, generator=torch.Generator().manual_seed(7)) for _ in range(3))
+    out = topk_attention(q, k, v, idx.unsqueeze(-3))  # (B, 1, L, k): one selection for all heads
+    keep = topk_mask(idx.unsqueeze(1), 13)
+    assert not (keep & ~causal_mask(13)).any()  # -1, never a future key
+    torch.testing.assert_close(out, scaled_dot_product_attention(q, k, v, keep))
+
+
+# --- judging an indexer by the scores it selects ------------------------------------------------
+
+
+def test_ties_do_not_fail_a_correct_indexer():
+    scores = torch.tensor([[5.0, 2.0, 7.0, 2.0, 1.0], [0.0, 1.0, 1.0, 1.0, -3.0]])  # (L, S)
+    for choice in ([2, 0, 1], [3, 0, 2], [0, 2, 3]):  # row 0: key 1 or key 3, the tie at the boundary
+        for other in ([1, 2, 3], [3, 2, 1]):  # row 1: three equal scores, any order
+            assert_topk_close(torch.tensor([choice, other]), scores)
+    nudged = scores[:1].double() + torch.tensor([[0, 1e-6, 0, 0, 0]], dtype=torch.float64)  # key 1 now ahead
+    assert_topk_close(torch.tensor([[2, 0, 3]]), nudged)  # within rtol=1e-5: key 3 still passes
+    with pytest.raises(AssertionError, match=r"2\.000001 \(key 1\) is not selected, key 3 with score 2 is"):
+        assert_topk_close(torch.tensor([[2, 0, 3]]), nudged, rtol=0, atol=1e-7)
+
+
+def test_a_wrong_selection_fails_naming_the_row_and_the_missed_score():
+    scores = torch.arange(2 * 3 * 7, dtype=torch.float32).reshape(2, 3, 7) % 5  # (B, L, S)
+    right = scores.topk(3, dim=-1).indices
+    assert_topk_close(right, scores)
+    wrong = right.clone()
+    wrong[1, 2, 0] = int((scores[1, 2] == scores[1, 2].min()).nonzero()[0])  # its best key -> its worst
+    best = int(right[1, 2, 0])
+    with pytest.raises(AssertionError, match=rf"indices\[1, 2\] misses a top-3 score: 4 \(key {best}\) is not "
+                                             rf"selected, key \d+ with score 0 is \(1 of 6 rows differ"):
+        assert_topk_close(wrong, scores)
+    short = right.clone()
+    short[0, 0, 2] = -1
+    with pytest.raises(AssertionError, match=r"indices\[0, 0\] misses .* a -1 slot \(no key\) is"):
+        assert_topk_close(short, scores)
+    twice = right.clone()
+    twice[0, 1, 1] = twice[0, 1, 0]
+    with pytest.raises(AssertionError, match=r"appears more than once in indices\[0, 1\]"):
+        assert_topk_close(twice, scores)
+    with pytest.raises(AssertionError, match=r"key positions in \[0, S\) = \[0, 7\), .* got 7"):
+        assert_topk_close(right.masked_fill(right == right.max(), 7), scores)
+
+
+def test_masked_slots_pass_as_minus_one_or_as_masked_keys():
+    scores = torch.tensor([[2.0, float("-inf"), float("-inf")], [1.0, 3.0, float("-inf")]])  # causal, L=2, S=3
+    assert_topk_close(torch.tensor([[0, -1], [1, 0]]), scores)  # ours
+    assert_topk_close(torch.tensor([[0, 2], [1, 0]]), scores)  # transformers': a masked (future) key
+    with pytest.raises(AssertionError, match=r"indices\[1\] misses a top-2 score: 1 \(key 0\)"):
+        assert_topk_close(torch.tensor([[0, 1], [1, 2]]), scores)
+
+
+def _buggy_indices(bug):
+    """The tiny V3.2 indexer with one bug from a real port (variants-2026 section 3.1), causal."""
+    hf_indexer, x, c_q, (cos, sin) = _hf_indexer()
+    ours = LightningIndexer.from_hf(hf_indexer)
+    cos, sin = cos[..., :4], sin[..., :4]
+    q, k, w = ours.project(x, c_q, (cos, sin))
+    if bug == "no relu":  # mlx-lm #531
+        scores = (w.unsqueeze(-1) * q @ k.unsqueeze(1).transpose(-1, -2) / 4).sum(1)
+        return scores.masked_fill(~causal_mask(13), float("-inf")).topk(4, dim=-1).indices
+    if bug == "interleaved rope":  # MLA's convention on the indexer
+        qr = ours.wq_b(c_q).view(B, 13, 4, 16).transpose(1, 2)
+        kr = ours.k_norm(ours.wk(x))
+
+        def rope(t, c, s):
+            return torch.cat([apply_rope(t[..., :8], c, s, interleaved=True), t[..., 8:]], -1)
+
+        q, k = rope(qr, cos.unsqueeze(1), sin.unsqueeze(1)), rope(kr, cos, sin)
+    if bug == "no layernorm":
+        k = indexer_rope(ours.wk(x), cos, sin)
+    if bug == "no mask":  # lablup/mlxcel #619: future keys chosen
+        return lightning_indexer(q, k, w, 4)
+    return lightning_indexer(q, k, w, 4, is_causal=True)
+
+
+@pytest.mark.parametrize("bug", ["no relu", "interleaved rope", "no layernorm", "no mask"])
+def test_indexers_with_known_port_bugs_fail(bug):
+    hf_indexer, x, c_q, (cos, sin) = _hf_indexer()
+    _, scores = LightningIndexer.from_hf(hf_indexer)(x, c_q, (cos[..., :4], sin[..., :4]), is_causal=True,
+                                                     return_scores=True)
+    with pytest.raises(AssertionError, match=r"misses a top-4 score"):
+        assert_topk_close(_buggy_indices(bug), scores)
+
+
+# --- what the indexer raises ----------------------------------------------------------------------
+
+
+def test_indexer_errors_have_messages():
+    q, k, w = torch.randn(H, L, E), torch.randn(S, E), torch.randn(H, L)
+    with pytest.raises(ValueError, match=r"key must have shape \(\.\.\., S, E\) with E = 11 .* key \(7, 10\)"):
+        lightning_indexer(q, k[:, :10], w, K)
+    with pytest.raises(ValueError, match=r"weights must have shape \(\.\.\., H, L\) = \(\.\.\., 3, 5\), .* got \(5, 3\)"):
+        lightning_indexer(q, k, w.T, K)
+    with pytest.raises(ValueError, match=r"topk must be a positive int, got 0"):
+        lightning_indexer(q, k, w, 0)
+    with pytest.raises(TypeError, match=r"attn_mask must be bool .* got torch.int64"):
+        lightning_indexer(q, k, w, K, torch.ones(L, S, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attn_mask must broadcast to \(\.\.\., L, S\) = \(\.\.\., 5, 7\)"):
+        lightning_indexer(q, k, w, K, torch.ones(S, L, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"query must have a floating-point dtype, got torch.int64"):
+        lightning_indexer(q.long(), k, w, K)
+    with pytest.raises(ValueError, match=r"cos must have last dim R/2 <= E/2 .* \(R = 12\) .* \(E = 11\)"):
+        indexer_rope(q, torch.ones(L, 6), torch.ones(L, 6))
+    with pytest.raises(TypeError, match=r"indexer must be a transformers DeepseekV32Indexer, got Linear"):
+        LightningIndexer.from_hf(torch.nn.Linear(2, 2))
+    indexer = LightningIndexer(16, 8, num_heads=3, head_dim=6, rope_dim=4, topk=2)
+    with pytest.raises(ValueError, match=r"rotary's cos must have last dim R/2 = 2, got shape \(5, 4\)"):
+        indexer(torch.randn(1, 5, 16), torch.randn(1, 5, 8), (torch.ones(5, 4), torch.ones(5, 4)))
+    with pytest.raises(ValueError, match=r"rope_dim must be even and at most head_dim = 6, got 5"):
+        LightningIndexer(16, 8, num_heads=3, head_dim=6, rope_dim=5, topk=2)
+
+
+def test_checker_errors_have_messages():
+    scores = torch.randn(L, S)
+    right = scores.topk(K, dim=-1).indices
+    with pytest.raises(ValueError, match=r"must share \(\.\.\., L\), got indices \(4, 3\) and scores \(5, 7\)"):
+        assert_topk_close(right[:4], scores)
+    with pytest.raises(ValueError, match=r"min\(k, S\) = min\(4, 7\) = 4 slots per row, got shape \(5, 3\)"):
+        assert_topk_close(right, scores, 4)
+    assert_topk_close(scores.topk(S, dim=-1).indices, scores, 9)  # k > S: all S keys
+    with pytest.raises(TypeError, match=r"indices must be an integer tensor .* got torch.float32"):
+        assert_topk_close(right.float(), scores)
+    with pytest.raises(TypeError, match=r"scores must be a floating-point tensor, got torch.int64"):
+        assert_topk_close(right, scores.long())
