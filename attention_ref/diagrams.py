@@ -33,7 +33,7 @@ import torch
 from attention_ref._validation import fmt_shape
 from attention_ref.multihead import MultiHeadAttention
 
-__all__ = ["flash_tiling", "multihead_flow", "path_length", "qkv_shapes", "sdpa_flow", "self_vs_cross"]
+__all__ = ["flash_tiling", "kv_head_groups", "multihead_flow", "path_length", "qkv_shapes", "sdpa_flow", "self_vs_cross"]
 
 _WIDTH = 640  # the widest viewBox of any diagram, in CSS pixels at scale 1
 _FONT = 14  # body text; titles are 16, nothing is below _MIN_FONT
@@ -559,6 +559,112 @@ def multihead_flow(module: MultiHeadAttention, x: torch.Tensor) -> str:
     out_y = concat_y + 96
     canvas.box(170, out_y, 300, 52, ["output = concat W_{O}", f"L × d = {_dims(L, d)}"], hue="o")
     return canvas.render(out_y + 64)
+
+
+_MAX_GROUPED_HEADS = 12  # more query heads than this leave no room for their labels
+
+
+def kv_head_groups(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
+    """Which query heads share which key/value head: multi-head, grouped-query or multi-query.
+
+    Top row: the ``H`` query heads of ``query``; bottom row: the ``Hkv`` key/value
+    heads of ``key`` and ``value``. A line joins query head ``h`` to the key/value
+    head it reads, ``h // G`` with groups of ``G = H / Hkv`` consecutive query heads
+    (the order of ``repeat_interleave``, of PyTorch's ``enable_gqa=True`` and of
+    `attention_ref.scaled_dot_product_attention`); a dashed outline marks each
+    group. ``Hkv = H`` is multi-head attention, ``1 < Hkv < H`` grouped-query
+    attention, ``Hkv = 1`` multi-query attention. The last line counts the numbers
+    a KV cache keeps per token and layer, ``Hkv (E + Ev)``, against multi-head's
+    ``H (E + Ev)``. Every size is read from the tensors.
+
+    Args:
+        query: ``(..., H, L, E)``, a torch tensor or NumPy array, ``H <= 12``.
+        key: ``(..., Hkv, S, E)`` with ``H`` a multiple of ``Hkv``.
+        value: ``(..., Hkv, S, Ev)``.
+
+    Returns:
+        An ``<svg>`` element as a string.
+
+    Raises:
+        TypeError: an argument that is not a tensor or array.
+        ValueError: fewer than 3 dims, ``E`` or ``S`` that differ between the
+            arguments, ``key`` and ``value`` with different head counts, ``H`` not a
+            multiple of ``Hkv``, or more than 12 query heads.
+
+    Examples:
+        >>> import torch
+        >>> from attention_ref import diagrams
+        >>> q, kv = torch.randn(1, 6, 5, 4), torch.randn(1, 2, 7, 4)
+        >>> svg = diagrams.kv_head_groups(q, kv, kv)
+        >>> "grouped-query attention: H = 6, Hkv = 2, G = H / Hkv = 3" in svg
+        True
+    """
+    _qkv_shapes(query, key, value)
+    q = _shape("query", query, 3, "(..., H, L, E)")
+    k = _shape("key", key, 3, "(..., Hkv, S, E)")
+    v = _shape("value", value, 3, "(..., Hkv, S, Ev)")
+    (H, L, E), (Hkv, S, _), Ev = q[-3:], k[-3:], v[-1]
+    if v[-3] != Hkv:
+        raise ValueError(f"value must have as many heads (dim -3) as key, Hkv={Hkv}, got shape {fmt_shape(v)}")
+    if H % Hkv:
+        raise ValueError(f"the query heads H={H} (dim -3 of query) must be a multiple of the key/value heads "
+                         f"Hkv={Hkv} (dim -3 of key)")
+    G = H // Hkv
+    if H > _MAX_GROUPED_HEADS:
+        raise ValueError(f"kv_head_groups draws at most {_MAX_GROUPED_HEADS} query heads, got H={H}; draw whole "
+                         f"groups, e.g. the first one: query[..., :{G}, :, :] with key[..., :1, :, :]")
+    if Hkv == H:
+        name, rule = "multi-head attention", "every query head has its own key/value head"
+    elif Hkv == 1:
+        name, rule = "multi-query attention", f"all {H} query heads read the one key/value head"
+    else:
+        name, rule = "grouped-query attention", "query head h reads key/value head h // G"
+    canvas = _Canvas(
+        f"{name.capitalize()}: {H} query heads share {Hkv} key/value heads in groups of {G}; "
+        f"query head h reads key/value head h // {G}"
+    )
+    canvas.text(_WIDTH / 2, 24, f"{name}: H = {H}, Hkv = {Hkv}, G = H / Hkv = {G}", size=16, bold=True)
+    canvas.text(_WIDTH / 2, 46, rule, muted=True)
+
+    gap, group_gap, margin = 6.0, 12.0, 20.0
+    box_w = min(64.0, (_WIDTH - 2 * margin - (H - Hkv) * gap - (Hkv - 1) * group_gap) / H)
+    group_w = G * box_w + (G - 1) * gap
+    left = (_WIDTH - Hkv * group_w - (Hkv - 1) * group_gap) / 2
+    group_x = [left + g * (group_w + group_gap) for g in range(Hkv)]
+    canvas.text(margin, 76, f"query heads: q, L × E = {_dims(L, E)} each", anchor="start")
+    q_top, q_h = 96, 34
+    kv_top, kv_h = q_top + q_h + 74, 34
+    kv_w = min(group_w, 128.0)
+    for g, gx in enumerate(group_x):
+        if G > 1:  # the group's outline
+            canvas.rect(gx - 4, q_top - 6, group_w + 8, q_h + 12, "ar-grid", fill="none", stroke=_GRID,
+                        stroke_width=1, rx=6, dashed=True)
+        kx = gx + group_w / 2 - kv_w / 2
+        for i in range(G):
+            h = g * G + i
+            hx = gx + i * (box_w + gap)
+            canvas.rect(hx, q_top, box_w, q_h, "ar-box ar-q", hue="q", opacity=0.16, rx=4)
+            canvas.text(hx + box_w / 2, q_top + q_h / 2 + 5, f"q{h}")
+            # from the bottom of query head h to the top of its key/value head
+            canvas.line(hx + box_w / 2, q_top + q_h + (6 if G > 1 else 0), kx + kv_w / 2, kv_top, "ar-edge",
+                        colour=_HUES["w"], width=2)
+        # the key/value head: a K half and a V half, named k0 and v0 where they fit, else 0
+        named = kv_w / 2 >= _text_width(f"k{Hkv - 1}") + 6
+        for j, hue in enumerate("kv"):
+            canvas.rect(kx + j * kv_w / 2, kv_top, kv_w / 2, kv_h, f"ar-box ar-{hue}", hue=hue, opacity=0.16,
+                        rx=4)
+            if named:
+                canvas.text(kx + (2 * j + 1) * kv_w / 4, kv_top + kv_h / 2 + 5, f"{hue}{g}")
+        if not named:
+            canvas.text(kx + kv_w / 2, kv_top + kv_h / 2 + 5, str(g))
+    below = kv_top + kv_h
+    canvas.text(margin, below + 26, f"key/value heads: k, S × E = {_dims(S, E)}; v, S × Ev = {_dims(S, Ev)}",
+                anchor="start")
+    cached, full = Hkv * (E + Ev), H * (E + Ev)
+    summary = f"KV cache per token, per layer: Hkv (E + Ev) = {cached} numbers"
+    summary += " (multi-head)" if Hkv == H else f" (multi-head: {full})"
+    canvas.text(_WIDTH / 2, below + 56, summary, bold=True)
+    return canvas.render(below + 70)
 
 
 # --- 4. self- and cross-attention ---------------------------------------------------------

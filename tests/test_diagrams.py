@@ -42,6 +42,12 @@ def one_of_each() -> dict[str, str]:
         "multihead_flow": diagrams.multihead_flow(MultiHeadAttention(12, 3), torch.randn(2, 5, 12)),
         "multihead_flow_gqa": diagrams.multihead_flow(MultiHeadAttention(48, 12, num_kv_heads=4),
                                                       torch.randn(7, 48)),
+        "kv_head_groups": diagrams.kv_head_groups(torch.randn(2, 6, 3, 5), torch.randn(2, 2, 7, 5),
+                                                  torch.randn(2, 2, 7, 11)),
+        "kv_head_groups_mqa": diagrams.kv_head_groups(torch.randn(6, 3, 5), torch.randn(1, 7, 5),
+                                                      torch.randn(1, 7, 11)),
+        "kv_head_groups_mha": diagrams.kv_head_groups(torch.randn(12, 3, 5), torch.randn(12, 7, 5),
+                                                      torch.randn(12, 7, 11)),
         "self_vs_cross": diagrams.self_vs_cross(3, 7),
         "path_length": diagrams.path_length(7),
         "flash_tiling": diagrams.flash_tiling(11, 13, 3, 5, causal=True),
@@ -282,6 +288,66 @@ def test_multihead_flow_errors():
         diagrams.multihead_flow(MultiHeadAttention(12, 3), torch.randn(1, 2, 5, 12))
     with pytest.raises(ValueError, match="kdim == vdim == embed_dim=12.*got kdim=7, vdim=12"):
         diagrams.multihead_flow(MultiHeadAttention(12, 3, kdim=7), torch.randn(5, 12))
+
+
+# --- kv_head_groups -------------------------------------------------------------------------
+
+
+def edges(svg: str) -> list[tuple[float, float]]:
+    """(x at the query heads, x at the key/value heads) of every line joining the two rows."""
+    return [(float(el.get("x1")), float(el.get("x2"))) for el in parse(svg).iter(f"{SVG}line")
+            if el.get("class") == "ar-edge"]
+
+
+def centres(svg: str, hue: str) -> list[float]:
+    """The x centres of the boxes of one hue (``q``, ``k`` or ``v``), left to right."""
+    return [float(el.get("x")) + float(el.get("width")) / 2 for el in parse(svg).iter(f"{SVG}rect")
+            if el.get("class") == f"ar-box ar-{hue}"]
+
+
+@pytest.mark.parametrize(("H", "Hkv"), [(6, 2), (6, 1), (12, 12), (12, 4), (3, 1)])
+def test_kv_head_groups_joins_query_head_h_to_key_value_head_h_over_g(H: int, Hkv: int):
+    svg = diagrams.kv_head_groups(torch.randn(1, H, 3, 5), torch.randn(1, Hkv, 7, 5), torch.randn(1, Hkv, 7, 11))
+    queries, keys, values = centres(svg, "q"), centres(svg, "k"), centres(svg, "v")
+    assert len(queries) == H and len(keys) == len(values) == Hkv
+    kv_centres = [(k + v) / 2 for k, v in zip(keys, values)]
+    G = H // Hkv
+    # one line per query head, from its box to the key/value head h // G: repeat_interleave's order
+    expected = [(queries[h], kv_centres[h // G]) for h in range(H)]
+    assert np.allclose(edges(svg), expected)
+    text = text_of(svg)
+    name = {1: "multi-query", H: "multi-head"}.get(Hkv, "grouped-query")
+    assert text.startswith(f"{name} attention: H = {H}, Hkv = {Hkv}, G = H / Hkv = {G}")
+    assert f"Hkv (E + Ev) = {Hkv * 16} numbers" in text
+    assert "L × E = 3 × 5" in text and "S × E = 7 × 5" in text and "S × Ev = 7 × 11" in text
+
+
+def test_kv_head_groups_the_order_is_that_of_enable_gqa():
+    H, Hkv = 6, 2
+    q, k, v = torch.randn(1, H, 3, 5), torch.randn(1, Hkv, 7, 5), torch.randn(1, Hkv, 7, 11)
+    grouped = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    queries, keys = centres(diagrams.kv_head_groups(q, k, v), "q"), centres(diagrams.kv_head_groups(q, k, v), "k")
+    drawn = [min(range(Hkv), key=lambda j: abs(keys[j] - x2)) for _, x2 in edges(diagrams.kv_head_groups(q, k, v))]
+    assert len(drawn) == len(queries) == H
+    for h, j in enumerate(drawn):
+        alone = torch.nn.functional.scaled_dot_product_attention(q[:, h], k[:, j], v[:, j])
+        assert torch.allclose(grouped[:, h], alone, atol=1e-6)
+
+
+def test_kv_head_groups_errors():
+    q, kv = torch.randn(6, 3, 5), torch.randn(2, 7, 5)
+    with pytest.raises(TypeError, match="key must be a torch.Tensor or numpy.ndarray, got list"):
+        diagrams.kv_head_groups(q, [[1.0]], kv)
+    with pytest.raises(ValueError, match=r"query must have at least 3 dims \(\.\.\., H, L, E\), got shape \(3, 5\)"):
+        diagrams.kv_head_groups(q[0], kv, kv)
+    with pytest.raises(ValueError, match="value must have as many heads .* Hkv=2, got shape"):
+        diagrams.kv_head_groups(q, kv, torch.randn(3, 7, 5))
+    with pytest.raises(ValueError, match="query heads H=6 .* must be a multiple of the key/value heads Hkv=4"):
+        diagrams.kv_head_groups(q, torch.randn(4, 7, 5), torch.randn(4, 7, 5))
+    with pytest.raises(ValueError, match="key must have size E=5"):
+        diagrams.kv_head_groups(q, torch.randn(2, 7, 4), kv)
+    with pytest.raises(ValueError, match=r"at most 12 query heads, got H=32; .* query\[\.\.\., :4, :, :\]"):
+        diagrams.kv_head_groups(torch.randn(32, 3, 5), torch.randn(8, 7, 5), torch.randn(8, 7, 5))
 
 
 # --- 4. self_vs_cross -----------------------------------------------------------------------
