@@ -23,6 +23,7 @@ Shapes use the package legend: ``H`` heads, ``L`` query length, ``S`` key length
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import html
@@ -31,7 +32,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -662,11 +663,192 @@ def to_svg(figure: Figure) -> str:
     return "\n".join(line.strip() for line in svg.splitlines() if line.strip()) + "\n"
 
 
+_EXPLORER_MODEL_KEYS = frozenset({"sentences", "scores", "scale", "causal", "head_names", "layer_names"})
+_WEIGHT_UNIT = 1e-4  # weights travel as uint16 counts of 1e-4: 4 decimals, 0 to 10000
+_SCORE_UNITS = (0.01, 0.1, 1.0)  # scores travel as int16 counts of the first unit that holds them
+
+
+def _explorer_index(name: str, value: object, size: int, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+        also = "None or " if allow_none else ""
+        raise ValueError(f"{name} must be {also}an int in [0, {size - 1}], got {value!r}")
+    return value
+
+
+def _explorer_sentence(label: str, toks: object, w: object) -> tuple[list[str], np.ndarray]:
+    """Tokens as a list of str and weights as ``(layers, H, L, L)`` float64, checked."""
+    if isinstance(toks, str) or not isinstance(toks, Sequence):
+        raise TypeError(f"{label}tokens must be a sequence of str, got {type(toks).__name__}")
+    bad = [type(t).__name__ for t in toks if not isinstance(t, str)]
+    if bad:
+        raise TypeError(f"{label}tokens must be a sequence of str, got a {bad[0]} item")
+    if hasattr(w, "detach"):  # a torch.Tensor, without importing torch here
+        w = w.detach().cpu().float().numpy()
+    ndim = np.ndim(w)
+    if ndim not in (3, 4):
+        raise ValueError(
+            f"{label}weights must have 3 dims (H, L, L) or 4 dims (layers, H, L, L), "
+            f"got {ndim} dims with shape {np.shape(w)}"
+        )
+    layout = "(H, L, L)" if ndim == 3 else "(layers, H, L, L)"
+    array = _as_array(f"{label}weights", w, ndim, layout)
+    if ndim == 3:
+        array = array[None]  # one layer
+    *_, L, S = array.shape
+    if L != S or L != len(toks):
+        raise ValueError(
+            f"{label}weights must have shape {layout} with L = len(tokens) = {len(toks)}, got {tuple(np.shape(w))}"
+        )
+    if 0 in array.shape:
+        raise ValueError(f"{label}weights must hold at least one layer, head and token, got shape {tuple(np.shape(w))}")
+    return [str(t) for t in toks], array
+
+
+def _explorer_scores(label: str, scores: object, weights: np.ndarray, scale: float, causal: bool) -> np.ndarray:
+    """``scores`` (q.k before the scale) as ``weights``' shape, checked to give ``weights`` through softmax."""
+    if hasattr(scores, "detach"):
+        scores = scores.detach().cpu().double().numpy()
+    try:
+        array = np.asarray(scores, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{label}scores must be a tensor or array of numbers, got {type(scores).__name__}") from error
+    if array.ndim == weights.ndim - 1:
+        array = array[None]  # one layer, as the weights
+    if array.shape != weights.shape:
+        raise ValueError(
+            f"{label}scores must have the weights' shape (layers, H, L, L) = {weights.shape}, got {np.shape(scores)}"
+        )
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{label}scores must be finite (q.k before any mask), got NaN or inf values")
+    # The steps the explorer shows: scale, mask, softmax. They must give the weights shown.
+    scaled = array * scale  # (layers, H, L, L)
+    if causal:
+        L = array.shape[-1]
+        scaled = np.where(np.tril(np.ones((L, L), dtype=bool)), scaled, -np.inf)  # True = takes part
+    shifted = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    softmax = shifted / shifted.sum(axis=-1, keepdims=True)
+    worst = float(np.abs(softmax - weights).max())
+    if worst > 1e-3:
+        raise ValueError(
+            f"{label}scores must give the weights: softmax(scores * scale{', causal mask' if causal else ''}) "
+            f"differs from the weights by up to {worst:.3g} (allowed 1e-3)"
+        )
+    return array
+
+
+def _explorer_pack(array: np.ndarray, unit: float, signed: bool) -> str:
+    """``array`` in counts of ``unit``, as little-endian (u)int16 in base64: 2 bytes a number."""
+    counts = np.rint(array / unit)
+    dtype = "<i2" if signed else "<u2"
+    return base64.b64encode(counts.astype(dtype).tobytes()).decode("ascii")
+
+
+def _explorer_model(
+    name: str,
+    sentences: Mapping[str, object] | None,
+    single: tuple[object, object] | None,
+    scores: object,
+    scale: object,
+    causal: object,
+    head_names: Sequence[str] | None,
+    layer_names: Sequence[str] | None,
+) -> dict[str, Any]:
+    """One model of the explorer, checked: its names, its sentences ``(text, tokens, weights, scores)``."""
+    where = f"model {name!r}: " if name else ""
+    if sentences is not None:
+        if not isinstance(sentences, Mapping):
+            raise TypeError(
+                f"{where}sentences must be a mapping from str to (tokens, weights), got {type(sentences).__name__}"
+            )
+        if not sentences:
+            raise ValueError(f"{where}sentences must hold at least one sentence, got an empty mapping")
+        items = []
+        for text, pair in sentences.items():
+            if not isinstance(text, str):
+                raise TypeError(f"{where}sentences must have str keys, got {type(text).__name__}")
+            if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
+                raise TypeError(f"{where}sentences[{text!r}] must be a pair (tokens, weights), got {type(pair).__name__}")
+            items.append([text, *_explorer_sentence(f"{where}sentences[{text!r}] ", pair[0], pair[1]), None])
+    else:
+        if single is None:
+            raise TypeError(f"{where}needs tokens and weights, or sentences")
+        toks, array = _explorer_sentence(where, *single)
+        items = [[" ".join(toks), toks, array, None]]
+    if not isinstance(causal, bool):
+        raise TypeError(f"{where}causal must be a bool, got {type(causal).__name__}")
+    if causal:
+        for text, _, array, _ in items:
+            if np.abs(np.triu(array, k=1)).max(initial=0.0) > 1e-6:
+                raise ValueError(f"{where}causal=True, but sentence {text!r} has weight on keys after their query")
+    if scores is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"{where}scale must be a positive number (usually 1/sqrt(E)) with scores, got {scale!r}")
+        if sentences is not None:
+            if not isinstance(scores, Mapping) or set(scores) != set(sentences):
+                raise ValueError(
+                    f"{where}scores must be a mapping with the same sentences as keys as sentences, "
+                    f"got {sorted(scores) if isinstance(scores, Mapping) else type(scores).__name__}"
+                )
+            for item in items:
+                item[3] = _explorer_scores(f"{where}scores[{item[0]!r}] ", scores[item[0]], item[2], scale, causal)
+        else:
+            items[0][3] = _explorer_scores(where, scores, items[0][2], scale, causal)
+    elif scale is not None:
+        raise ValueError(f"{where}scale is only used with scores, got scale={scale!r} and no scores")
+    n_layers, H = items[0][2].shape[:2]
+    for text, _, array, _ in items[1:]:
+        if array.shape[:2] != (n_layers, H):
+            raise ValueError(
+                f"{where}every sentence must have the same number of layers and heads: "
+                f"{items[0][0]!r} has (layers, H) = {(n_layers, H)}, {text!r} has {array.shape[:2]}"
+            )
+    if head_names is not None and len(head_names) != H:
+        raise ValueError(f"{where}head_names must have one name per head ({H}), got {len(head_names)}")
+    if layer_names is not None and len(layer_names) != n_layers:
+        raise ValueError(f"{where}layer_names must have one name per layer ({n_layers}), got {len(layer_names)}")
+    return {
+        "name": name,
+        "items": items,
+        "layers": [str(n) for n in layer_names] if layer_names is not None else [f"layer {i}" for i in range(n_layers)],
+        "heads": [str(n) for n in head_names] if head_names is not None else [f"head {h}" for h in range(H)],
+        "scale": None if scores is None else float(scale),
+        "causal": causal,
+    }
+
+
+def _explorer_json(model: dict[str, Any], initial: list[int | None]) -> dict[str, Any]:
+    """The JSON of one model: names, and per sentence the packed weights and scores."""
+    data: dict[str, Any] = {"name": model["name"], "layers": model["layers"], "heads": model["heads"],
+                            "causal": model["causal"], "weightUnit": _WEIGHT_UNIT}
+    biggest = max((float(np.abs(s).max()) for *_, s in model["items"] if s is not None), default=None)
+    if biggest is not None:
+        unit = next((u for u in _SCORE_UNITS if biggest / u < 32767), None)
+        if unit is None:
+            raise ValueError(f"scores must be below {32767 * _SCORE_UNITS[-1]:.0f} in size, got {biggest:.4g}")
+        d = 1.0 / model["scale"] ** 2  # scale = 1/sqrt(d)
+        data.update(scale=model["scale"], scoreUnit=unit,
+                    sqrtD=f"\u221a{round(d)}" if abs(d - round(d)) < 1e-6 else f"{1 / model['scale']:.4g}")
+    data["sentences"] = [
+        {"text": text, "tokens": toks, "weights": _explorer_pack(array, _WEIGHT_UNIT, signed=False),
+         "initial": first, **({"scores": _explorer_pack(scores, data["scoreUnit"], signed=True)}
+                             if scores is not None else {})}
+        for (text, toks, array, scores), first in zip(model["items"], initial)
+    ]
+    return data
+
+
 def explorer_html(
     tokens: Sequence[str] | None = None,
     weights: object = None,
     *,
     sentences: dict[str, tuple[Sequence[str], object]] | None = None,
+    scores: object = None,
+    scale: float | None = None,
+    causal: bool = False,
+    model_name: str | None = None,
+    other_models: Mapping[str, Mapping[str, object]] | None = None,
     head_names: Sequence[str] | None = None,
     layer_names: Sequence[str] | None = None,
     element_id: str | None = None,
@@ -676,28 +858,42 @@ def explorer_html(
     initial_token: int | Sequence[int | None] | None = None,
     caption: str | None = None,
 ) -> str:
-    """An HTML fragment that ``docs/javascripts/explorer.js`` turns into an attention explorer.
+    r"""An HTML fragment that ``docs/javascripts/explorer.js`` turns into an attention explorer.
 
-    The reader clicks (or focuses with the keyboard) a token and sees how much
-    it attends to every token, as shaded tokens and bars with the values.
-    Menus pick the sentence (when there are several), the layer (when the
-    weights have several) and the head; a row of thumbnails, one small heatmap
-    per head of the chosen layer, opens a head when clicked. The weights are
-    embedded in the page as JSON (4 decimals), so the page needs no server.
-    Without JavaScript the tokens and the menus show but do nothing. Needs no
-    matplotlib.
+    The reader clicks (or focuses with the keyboard) a token, and a toggle
+    picks the direction: where the token **attends to** (its row of weights),
+    or by which tokens it is **attended by** (its column). The tokens are shaded
+    by weight and a table gives, for each other token, the steps of
+    $\mathrm{softmax}(q \cdot k \times \text{scale})$ when ``scores`` are given:
+    the dot product $q \cdot k$, the scaled score, the causal mask ($-\infty$
+    for a key after its query) and the weight; without ``scores``, the weight
+    only. Menus pick the model (with ``other_models``), the sentence, the layer
+    and the head. An overview of every layer x head, one small heatmap per head
+    shaded to that head's own largest weight, opens a head when clicked.
+
+    Every number shown is computed here, at build time, and embedded in the
+    page; the script only displays. Weights travel in units of 1e-4, scores in
+    units of 0.01 (or 0.1, 1 for large ones), as base64 little-endian 16-bit
+    integers, ``(layers, H, L, L)`` flattened: the page needs no server, and a
+    6-layer, 12-head model on a 16-token sentence costs 74 KB. When
+    ``scores`` are given, the softmax of the scaled (and masked) scores must
+    equal the weights (to 1e-3), or this raises. Without JavaScript the tokens
+    and the menus show but do nothing. Needs no matplotlib.
 
     Give either ``tokens`` and ``weights`` (one sentence), or ``sentences``.
 
     Markup: a ``div.attention-explorer`` whose ``data-attention`` attribute
-    holds the JSON ``{"layers", "heads", "sentences": [{"text", "tokens",
-    "weights", "initial"}]}`` (``weights`` always ``(layers, H, L, L)``,
-    ``initial`` the token selected first or ``null``), with a ``<select>`` per
-    menu, an empty ``div.attention-explorer-thumbs`` that the script fills, and
-    one ``<button>`` per token of the first sentence shown. The JSON sits in an
-    attribute, not in a ``<script type="application/json">``: Material's
-    instant navigation re-runs every ``<script>`` of a new page as JavaScript
-    (dropping its ``type``), which would fail on JSON and stop the navigation.
+    holds the JSON ``{"model": 0, "models": [{"name", "layers", "heads",
+    "causal", "weightUnit", "scale", "scoreUnit", "sqrtD", "sentences":
+    [{"text", "tokens", "weights", "scores", "initial"}]}]}`` (``scale``,
+    ``scoreUnit``, ``sqrtD`` and ``scores`` only with scores; ``initial`` the
+    token selected first or ``null``), a ``<select>`` per menu, a direction
+    toggle, one ``<button>`` per token of the first sentence shown, and empty
+    containers that the script fills (the steps table and the overview). The
+    JSON sits in an attribute, not in a ``<script type="application/json">``:
+    Material's instant navigation re-runs every ``<script>`` of a new page as
+    JavaScript (dropping its ``type``), which would fail on JSON and stop the
+    navigation.
 
     Args:
         tokens: the ``L`` tokens of the sentence.
@@ -708,9 +904,25 @@ def explorer_html(
             a mapping from the sentence as the menu shows it to its
             ``(tokens, weights)``. Every sentence must have the same number of
             layers and heads (the lengths ``L`` may differ).
+        scores: the dot products $q \cdot k$ before ``scale`` and any mask, the
+            shape of ``weights``; with ``sentences``, a mapping from the same
+            sentences to their scores. Optional: without them the explorer
+            shows the weights only.
+        scale: the factor applied to the scores before the softmax, usually
+            $1/\sqrt{E}$ for query/key size ``E``. Required with ``scores``.
+        causal: the weights come from a causal mask (query ``i`` sees keys
+            ``j <= i``); the steps show $-\infty$ for the masked keys.
+        model_name: the name of this model in the model menu (shown when
+            ``other_models`` is given); defaults to ``model 0``.
+        other_models: more models for the model menu, after this one: a
+            mapping from a name to a mapping with the keys ``sentences``
+            (required, as above), and optionally ``scores``, ``scale``,
+            ``causal``, ``head_names``, ``layer_names`` and ``initial_token``
+            (as above; they open on their first sentence, layer and head).
         head_names: ``H`` names for the head menu; defaults to ``head 0``, ...
         layer_names: one name per layer for the layer menu; defaults to
-            ``layer 0``, ... (the menu is left out when there is one layer).
+            ``layer 0``, ... (the menu is left out when there is one layer and
+            one model).
         element_id: the container's HTML id (letters, digits, ``-``, ``_``);
             defaults to one derived from the data, stable across builds.
         initial_sentence: the index of the sentence shown when the page loads.
@@ -727,12 +939,16 @@ def explorer_html(
 
     Raises:
         ValueError: ``weights`` not ``(H, L, L)`` or ``(layers, H, L, L)`` with
-            ``L == len(tokens)``, values outside ``[0, 1]``, sentences with
-            different numbers of layers or heads, names of the wrong length, a
-            bad id, or a sentence, layer, head or token index out of range.
+            ``L == len(tokens)``, values outside ``[0, 1]``, ``scores`` of
+            another shape or whose softmax is not the weights, ``scale`` missing
+            or not positive, weight after the query with ``causal``, sentences
+            with different numbers of layers or heads, names of the wrong
+            length, a bad id, or a sentence, layer, head or token index out of
+            range.
         TypeError: ``tokens`` is not a sequence of str, ``sentences`` not a
-            mapping from str to ``(tokens, weights)``, or both or neither of
-            ``tokens``/``weights`` and ``sentences`` given.
+            mapping from str to ``(tokens, weights)``, both or neither of
+            ``tokens``/``weights`` and ``sentences`` given, or an unknown key
+            in ``other_models``.
 
     Examples:
         >>> import torch
@@ -742,6 +958,9 @@ def explorer_html(
         >>> fragment = explorer_html(["the", "cat", "sat"], w, element_id="demo")
         >>> fragment.startswith('<div class="attention-explorer" id="demo"')
         True
+        >>> q, k = torch.randn(2, 3, 4), torch.randn(2, 3, 4)  # (H, L, E)
+        >>> w = attention_weights(q, k)  # softmax(q k^T / sqrt(4))
+        >>> fragment = explorer_html(["the", "cat", "sat"], w, scores=q @ k.transpose(-2, -1), scale=0.5)
         >>> two = torch.stack([w, w.flip(-1)])  # (layers, H, L, L) = (2, 2, 3, 3)
         >>> other = attention_weights(torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4))
         >>> fragment = explorer_html(sentences={"the cat sat": (["the", "cat", "sat"], two),
@@ -749,107 +968,65 @@ def explorer_html(
         >>> 'class="attention-explorer-layer"' in fragment and 'class="attention-explorer-sentence"' in fragment
         True
     """
-    from collections.abc import Mapping
-
-    def index(name: str, value: object, size: int, allow_none: bool = False) -> int | None:
-        if value is None and allow_none:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-            also = "None or " if allow_none else ""
-            raise ValueError(f"{name} must be {also}an int in [0, {size - 1}], got {value!r}")
-        return value
-
-    def one_sentence(label: str, toks: object, w: object) -> tuple[list[str], np.ndarray]:
-        if isinstance(toks, str) or not isinstance(toks, Sequence):
-            raise TypeError(f"{label}tokens must be a sequence of str, got {type(toks).__name__}")
-        bad = [type(t).__name__ for t in toks if not isinstance(t, str)]
-        if bad:
-            raise TypeError(f"{label}tokens must be a sequence of str, got a {bad[0]} item")
-        if hasattr(w, "detach"):  # a torch.Tensor, without importing torch here
-            w = w.detach().cpu().float().numpy()
-        ndim = np.ndim(w)
-        if ndim not in (3, 4):
-            raise ValueError(
-                f"{label}weights must have 3 dims (H, L, L) or 4 dims (layers, H, L, L), "
-                f"got {ndim} dims with shape {np.shape(w)}"
-            )
-        array = _as_array(f"{label}weights", w, ndim, "(H, L, L)" if ndim == 3 else "(layers, H, L, L)")
-        if ndim == 3:
-            array = array[None]  # one layer
-        *_, L, S = array.shape
-        if L != S or L != len(toks):
-            layout = "(H, L, L)" if ndim == 3 else "(layers, H, L, L)"
-            raise ValueError(
-                f"{label}weights must have shape {layout} with L = len(tokens) = {len(toks)}, "
-                f"got {tuple(np.shape(w))}"
-            )
-        if 0 in array.shape:
-            raise ValueError(
-                f"{label}weights must hold at least one layer, head and token, got shape {tuple(np.shape(w))}"
-            )
-        return [str(t) for t in toks], array
-
     if sentences is not None:
         if tokens is not None or weights is not None:
             raise TypeError("give either tokens and weights, or sentences, not both")
-        if not isinstance(sentences, Mapping):
-            raise TypeError(
-                f"sentences must be a mapping from str to (tokens, weights), got {type(sentences).__name__}"
-            )
-        if not sentences:
-            raise ValueError("sentences must hold at least one sentence, got an empty mapping")
-        items = []
-        for text, pair in sentences.items():
-            if not isinstance(text, str):
-                raise TypeError(f"sentences must have str keys, got {type(text).__name__}")
-            if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
-                raise TypeError(
-                    f"sentences[{text!r}] must be a pair (tokens, weights), got {type(pair).__name__}"
-                )
-            items.append((text, *one_sentence(f"sentences[{text!r}] ", pair[0], pair[1])))
+        main = _explorer_model(model_name or "", sentences, None, scores, scale, causal, head_names, layer_names)
     else:
         if tokens is None or weights is None:
             raise TypeError("explorer_html needs tokens and weights, or sentences")
-        toks, array = one_sentence("", tokens, weights)
-        items = [(" ".join(toks), toks, array)]
+        main = _explorer_model(model_name or "", None, (tokens, weights), scores, scale, causal, head_names,
+                               layer_names)
+    models = [main]
+    if other_models is not None:
+        if not isinstance(other_models, Mapping):
+            raise TypeError(f"other_models must be a mapping from a name to a mapping, got {type(other_models).__name__}")
+        for name, spec in other_models.items():
+            if not isinstance(name, str) or not isinstance(spec, Mapping):
+                raise TypeError(f"other_models must map a str name to a mapping, got {name!r}: {type(spec).__name__}")
+            unknown = sorted(set(spec) - _EXPLORER_MODEL_KEYS - {"initial_token"})
+            if unknown or "sentences" not in spec:
+                raise TypeError(
+                    f"other_models[{name!r}] takes the keys {sorted(_EXPLORER_MODEL_KEYS | {'initial_token'})} "
+                    f"with 'sentences' required, got unknown keys {unknown}" if unknown else
+                    f"other_models[{name!r}] needs the key 'sentences'"
+                )
+            model = _explorer_model(name, spec["sentences"], None, spec.get("scores"), spec.get("scale"),
+                                    spec.get("causal", False), spec.get("head_names"), spec.get("layer_names"))
+            model["initial_token"] = spec.get("initial_token")
+            models.append(model)
+        main["name"] = model_name or "model 0"
+    items, layers, heads = main["items"], main["layers"], main["heads"]
+    _explorer_index("initial_sentence", initial_sentence, len(items))
+    _explorer_index("initial_layer", initial_layer, len(layers))
+    _explorer_index("initial_head", initial_head, len(heads))
 
-    n_layers, H = items[0][2].shape[:2]
-    for text, _, array in items[1:]:
-        if array.shape[:2] != (n_layers, H):
-            raise ValueError(
-                "every sentence must have the same number of layers and heads: "
-                f"{items[0][0]!r} has (layers, H) = {(n_layers, H)}, {text!r} has {array.shape[:2]}"
-            )
-    if head_names is not None and len(head_names) != H:
-        raise ValueError(f"head_names must have one name per head ({H}), got {len(head_names)}")
-    if layer_names is not None and len(layer_names) != n_layers:
-        raise ValueError(f"layer_names must have one name per layer ({n_layers}), got {len(layer_names)}")
-    heads = [str(n) for n in head_names] if head_names is not None else [f"head {h}" for h in range(H)]
-    layers = [str(n) for n in layer_names] if layer_names is not None else [f"layer {i}" for i in range(n_layers)]
-    index("initial_sentence", initial_sentence, len(items))
-    index("initial_layer", initial_layer, n_layers)
-    index("initial_head", initial_head, H)
-    if initial_token is None or isinstance(initial_token, (int, bool)):
-        initial = [None] * len(items)
-        initial[initial_sentence] = initial_token
-    elif sentences is not None and isinstance(initial_token, Sequence) and not isinstance(initial_token, str):
-        if len(initial_token) != len(items):
-            raise ValueError(
-                f"initial_token must have one entry per sentence ({len(items)}), got {len(initial_token)}"
-            )
-        initial = list(initial_token)
-    else:
-        raise ValueError(f"initial_token must be None or an int, got {initial_token!r}")
-    for s, ((_, toks, _), value) in enumerate(zip(items, initial)):
-        name = "initial_token" if len(items) == 1 else f"initial_token for sentence {s}"
-        index(name, value, len(toks), allow_none=True)
+    def initial_tokens(model: dict[str, Any], value: object, opened: int, several: bool) -> list[int | None]:
+        items = model["items"]
+        if value is None or isinstance(value, (int, bool)):
+            initial = [None] * len(items)
+            initial[opened] = value
+        elif several and isinstance(value, Sequence) and not isinstance(value, str):
+            if len(value) != len(items):
+                raise ValueError(f"initial_token must have one entry per sentence ({len(items)}), got {len(value)}")
+            initial = list(value)
+        else:
+            raise ValueError(f"initial_token must be None or an int, got {value!r}")
+        for s, ((_, toks, _, _), first) in enumerate(zip(items, initial)):
+            name = "initial_token" if len(items) == 1 else f"initial_token for sentence {s}"
+            if model is not main:
+                name = f"other_models[{model['name']!r}] {name}"
+            _explorer_index(name, first, len(toks), allow_none=True)
+        return initial
 
     data = {
-        "layers": layers,
-        "heads": heads,
-        "sentences": [
-            {"text": text, "tokens": toks, "weights": np.round(array, 4).tolist(), "initial": first}
-            for (text, toks, array), first in zip(items, initial)
+        "model": 0,
+        "start": {"sentence": initial_sentence, "layer": initial_layer, "head": initial_head},
+        "models": [
+            _explorer_json(model, initial_tokens(model, initial_token if model is main else model["initial_token"],
+                                                 initial_sentence if model is main else 0,
+                                                 sentences is not None or model is not main))
+            for model in models
         ],
     }
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
@@ -872,27 +1049,50 @@ def explorer_html(
             f'<select id="{element_id}-{kind}" class="attention-explorer-{kind}">{options}</select></span>'
         )
 
+    several = len(models) > 1
     shown = items[initial_sentence][1]
     buttons = "".join(
         f'<button type="button" class="attention-explorer-token" data-index="{i}" aria-pressed="false">'
         f"{esc(token)}</button>"
         for i, token in enumerate(shown)
     )
+    direction = "".join(
+        f'<button type="button" class="attention-explorer-direction-button" data-direction="{key}" '
+        f'aria-pressed="{"true" if key == "to" else "false"}">{text}</button>'
+        for key, text in (("to", "attends to"), ("by", "is attended by"))
+    )
     parts = [
         f'<div class="attention-explorer" id="{element_id}" data-attention="{esc(payload, quote=True)}">',
         f'<p class="attention-explorer-caption">{esc(caption)}</p>' if caption else "",
         '<div class="attention-explorer-controls">',
-        menu("sentence", "Sentence", [text for text, _, _ in items], initial_sentence) if len(items) > 1 else "",
-        menu("layer", "Layer", layers, initial_layer) if n_layers > 1 else "",
+        menu("model", "Model", [m["name"] for m in models], 0) if several else "",
+        menu("sentence", "Sentence", [text for text, *_ in items], initial_sentence)
+        if several or len(items) > 1 else "",
+        menu("layer", "Layer", layers, initial_layer) if several or len(layers) > 1 else "",
         menu("head", "Head", heads, initial_head),
         "</div>",
-        f'<div class="attention-explorer-thumbs" role="group" aria-label="The heads of this layer: '
-        'pick one to open it"></div>',
-        '<div class="attention-explorer-tokens" role="group" aria-label="Tokens: pick one to see where it attends">'
-        f"{buttons}</div>",
-        f'<p class="attention-explorer-status" id="{element_id}-status" aria-live="polite">'
-        "Click a token, or move to it with Tab, to see its attention weights over all tokens.</p>",
-        f'<ol class="attention-explorer-bars" aria-labelledby="{element_id}-status"></ol>',
+        (
+            '<div class="attention-explorer-tokens" role="group" aria-label="Tokens: pick one to see its attention">'
+            f"{buttons}</div>"
+        ),
+        (
+            '<div class="attention-explorer-direction" role="group" aria-label="Direction">'
+            f'<span class="attention-explorer-direction-label">The chosen token</span>{direction}</div>'
+        ),
+        (
+            f'<p class="attention-explorer-status" id="{element_id}-status" aria-live="polite">'
+            "Click a token, or move to it with Tab, to see its attention weights over all tokens.</p>"
+        ),
+        f'<div class="attention-explorer-steps" aria-labelledby="{element_id}-status"></div>',
+        (
+            '<div class="attention-explorer-overview">'
+            '<p class="attention-explorer-legend">All heads: a row per layer, a column per head; in each map '
+            "a row per query token and a column per key token. Each map is shaded to its own largest weight "
+            "(darkest = that head's maximum), so faint heads stay visible: compare heads by the numbers above, "
+            "not by shade. The chosen token's row (or column) is outlined; click a map to open that head.</p>"
+            '<div class="attention-explorer-thumbs" role="group" aria-label="Every layer and head: '
+            'pick one to open it"></div></div>'
+        ),
         "</div>",
     ]
     return "".join(parts) + "\n"

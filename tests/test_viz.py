@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import html.parser
 import json
 import re
@@ -495,12 +496,13 @@ def test_explorer_html_embeds_the_data_and_accessible_controls():
     assert tag == "div" and attrs["class"] == "attention-explorer" and attrs["id"] == "ex1"
     assert not any(t == "script" for t, _ in parsed.tags)  # Material's instant navigation would run it
     data = json.loads(attrs["data-attention"])  # unescaped by the HTML parser, as by the browser
-    assert data["heads"] == ["x", "y", "z"] and data["layers"] == ["layer 0"]
-    [sentence] = data["sentences"]
+    [model] = data["models"]
+    assert model["heads"] == ["x", "y", "z"] and model["layers"] == ["layer 0"]
+    [sentence] = model["sentences"]
     assert sentence["tokens"] == tokens and sentence["initial"] == 2
-    np.testing.assert_allclose(np.array(sentence["weights"]), w.numpy()[None], atol=5e-5)  # (1, H, L, L)
+    np.testing.assert_allclose(_unpack(model, sentence)[0], w.numpy()[None], atol=5e-5)  # (1, H, L, L)
     assert not any(t == "select" and "layer" in a["class"] for t, a in parsed.tags)  # one layer: no menu
-    assert parsed.buttons == tokens  # escaped in HTML, exact after parsing
+    assert parsed.buttons == [*tokens, "attends to", "is attended by"]  # escaped in HTML, exact after parsing
     assert parsed.options == ["x", "y", "z"]
     selected = [a for t, a in parsed.tags if t == "option" and "selected" in a]
     assert [a["value"] for a in selected] == ["1"]
@@ -516,8 +518,8 @@ def test_explorer_html_tokens_cannot_break_out_of_the_markup():
     assert "<script" not in fragment and "<b>" not in fragment
     parsed = _Collect()
     parsed.feed(fragment)
-    assert parsed.buttons == [token] and parsed.options == ["</option><b>"]
-    assert json.loads(parsed.tags[0][1]["data-attention"])["sentences"][0]["tokens"] == [token]
+    assert parsed.buttons[0] == token and parsed.options == ["</option><b>"]
+    assert json.loads(parsed.tags[0][1]["data-attention"])["models"][0]["sentences"][0]["tokens"] == [token]
 
 
 def test_explorer_html_default_id_is_stable_and_data_dependent():
@@ -549,9 +551,20 @@ def test_explorer_html_rejects_bad_input():
 
 
 def _explorer_data(fragment: str) -> tuple[_Collect, dict]:
+    """The parsed fragment and the JSON of its first model."""
     parsed = _Collect()
     parsed.feed(fragment)
-    return parsed, json.loads(parsed.tags[0][1]["data-attention"])
+    return parsed, json.loads(parsed.tags[0][1]["data-attention"])["models"][0]
+
+
+def _unpack(model: dict, sentence: dict) -> tuple[np.ndarray, np.ndarray | None]:
+    """A sentence's weights and q.k scores (layers, H, L, L), decoded as explorer.js decodes them."""
+    L = len(sentence["tokens"])
+    shape = (len(model["layers"]), len(model["heads"]), L, L)
+    w = np.frombuffer(base64.b64decode(sentence["weights"]), "<u2").reshape(shape) * model["weightUnit"]
+    if "scores" not in sentence:
+        return w, None
+    return w, np.frombuffer(base64.b64decode(sentence["scores"]), "<i2").reshape(shape) * model["scoreUnit"]
 
 
 def test_explorer_html_all_layers_and_sentences():
@@ -567,12 +580,7 @@ def test_explorer_html_all_layers_and_sentences():
     assert [s["text"] for s in data["sentences"]] == ["the bank of the river", "it was tired"]
     assert [s["initial"] for s in data["sentences"]] == [None, 0]
     for sentence, w in zip(data["sentences"], (first, second)):
-        np.testing.assert_allclose(np.array(sentence["weights"]), w.numpy(), atol=5e-5)
-        assert np.array(sentence["weights"]).shape == tuple(w.shape)
-    import re
-
-    text = fragment.split('data-attention="')[1].split('"')[0]
-    assert all(len(n.split(".")[-1]) <= 4 for n in re.findall(r"\d+\.\d+", text))  # 4 decimals at most
+        np.testing.assert_allclose(_unpack(data, sentence)[0], w.numpy(), atol=5e-5)  # 4 decimals
     selects = {a["id"]: a["class"] for t, a in parsed.tags if t == "select"}
     assert selects == {
         "ex2-sentence": "attention-explorer-sentence", "ex2-layer": "attention-explorer-layer",
@@ -582,7 +590,7 @@ def test_explorer_html_all_layers_and_sentences():
     assert parsed.options == ["the bank of the river", "it was tired", "low", "mid", "top", "head 0", "head 1"]
     selected = [a["value"] for t, a in parsed.tags if t == "option" and "selected" in a]
     assert selected == ["1", "2", "1"]  # sentence 1, layer 2, head 1
-    assert parsed.buttons == ["it", "was", "tired"]  # the tokens of the sentence shown first
+    assert parsed.buttons[:3] == ["it", "was", "tired"]  # the tokens of the sentence shown first
     assert any(t == "div" and a.get("class") == "attention-explorer-thumbs" for t, a in parsed.tags)
 
 
@@ -669,3 +677,51 @@ def test_to_svg_themes_a_pyplot_figure_made_with_the_default_colours():
     assert re.search(r'fill: var\(--ar-figure-text, #1a1a1a\)"[^>]*>a line<', svg)
     assert "#1f77b4" in _colours(svg)  # the data line keeps matplotlib's blue
     assert 'aria-label="a line"' in svg
+
+
+def test_explorer_html_steps_are_the_packages_attention():
+    """The scores embedded are q.k; softmax(q.k * scale) is the weights shown, also under a causal mask."""
+    from attention_ref import attention_weights, causal_mask
+
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 3, 5, 7, generator=g), torch.randn(2, 3, 5, 7, generator=g)  # (layers, H, L, E)
+    qk = q @ k.transpose(-2, -1)  # (2, 3, 5, 7) x (2, 3, 7, 5) -> (2, 3, 5, 5)
+    for causal in (False, True):
+        mask = causal_mask(5) if causal else None
+        w = attention_weights(q, k, attn_mask=mask)  # the package's path, scale 1/sqrt(7)
+        _, data = _explorer_data(explorer_html(TOKENS, w, scores=qk, scale=7**-0.5, causal=causal))
+        assert data["causal"] is causal and data["scale"] == pytest.approx(7**-0.5) and data["sqrtD"] == "\u221a7"
+        shown_w, shown_s = _unpack(data, data["sentences"][0])
+        np.testing.assert_allclose(shown_w, w.numpy(), atol=5e-5)
+        np.testing.assert_allclose(shown_s, qk.numpy(), atol=5e-3)
+        scaled = torch.from_numpy(shown_s) * data["scale"]
+        if causal:
+            scaled = scaled.masked_fill(~causal_mask(5), float("-inf"))
+        np.testing.assert_allclose(torch.softmax(scaled, -1).numpy(), shown_w, atol=3e-3)
+    with pytest.raises(ValueError, match=r"softmax\(scores \* scale\) differs from the weights by up to"):
+        explorer_html(TOKENS, attention_weights(q, k), scores=qk, scale=1.0)  # the wrong scale
+    with pytest.raises(ValueError, match=r"causal=True, but sentence .* has weight on keys after their query"):
+        explorer_html(TOKENS, attention_weights(q, k), causal=True)
+    with pytest.raises(ValueError, match=r"scale must be a positive number"):
+        explorer_html(TOKENS, attention_weights(q, k), scores=qk)
+    with pytest.raises(ValueError, match=r"scores must have the weights' shape"):
+        explorer_html(TOKENS, attention_weights(q, k), scores=qk[0], scale=7**-0.5)
+
+
+def test_explorer_html_other_models():
+    w = weights(2, 3, 5, 5)
+    digits = {"1 2 3": (["1", "2", "3"], torch.eye(3)[None, None])}  # (1, 1, 3, 3): each token on itself
+    fragment = explorer_html(TOKENS, w, model_name="encoder",
+                             other_models={"decoder": {"sentences": digits, "causal": True, "initial_token": 1}})
+    parsed = _Collect()
+    parsed.feed(fragment)
+    data = json.loads(parsed.tags[0][1]["data-attention"])
+    assert [m["name"] for m in data["models"]] == ["encoder", "decoder"]
+    assert data["models"][1]["causal"] and data["models"][1]["sentences"][0]["initial"] == 1
+    assert parsed.options[:2] == ["encoder", "decoder"]  # the model menu comes first
+    assert {a["class"] for t, a in parsed.tags if t == "select"} >= {
+        "attention-explorer-model", "attention-explorer-sentence", "attention-explorer-layer"}
+    with pytest.raises(TypeError, match=r"other_models\['d'\] takes the keys .* got unknown keys \['mask'\]"):
+        explorer_html(TOKENS, w, other_models={"d": {"sentences": digits, "mask": 1}})
+    with pytest.raises(ValueError, match=r"other_models\['d'\] initial_token must be None or an int in \[0, 2\]"):
+        explorer_html(TOKENS, w, other_models={"d": {"sentences": digits, "initial_token": 3}})

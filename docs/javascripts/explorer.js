@@ -2,17 +2,29 @@
  * Attention explorer: turns every `div.attention-explorer` written by
  * attention_ref.viz.explorer_html into an interactive view.
  *
- * Clicking a token (or moving to it with the keyboard) shows its attention
- * weights over all tokens: the tokens are shaded by weight and a list of bars
- * gives each value with 3 decimals. Menus switch the sentence, the layer and
- * the head; a row of thumbnails (one small heatmap per head of the chosen
- * layer, drawn here as inline SVG) opens a head when clicked, and outlines
- * the row of the chosen token. The data is the JSON in the container's
- * `data-attention` attribute, computed by attention_ref when the site was
- * built:
+ * Clicking a token (or moving to it with the keyboard) selects it. A toggle
+ * picks the direction: the token "attends to" (its row of weights: it is the
+ * query) or "is attended by" (its column: it is the key). The tokens are
+ * shaded by weight, and a table gives, for every other token, the steps that
+ * made the weight: q.k, the scaled score, the causal mask (when the model has
+ * one) and the softmax. Menus switch the model, the sentence, the layer and
+ * the head; an overview of every layer x head (one small heatmap per head,
+ * drawn here as inline SVG, each shaded to its own largest weight) opens a
+ * head when clicked and outlines the chosen token's row or column.
  *
- *   {"layers": [names], "heads": [names],
- *    "sentences": [{"text", "tokens", "weights": [layer][head][query][key], "initial"}]}
+ * Every number comes from the JSON in the container's `data-attention`
+ * attribute, computed by attention_ref when the site was built; this script
+ * only decodes and displays it (the one product it forms is the scaled score,
+ * q.k times the model's scale, for display):
+ *
+ *   {"model": 0, "start": {"sentence", "layer", "head"},
+ *    "models": [{"name", "layers": [names], "heads": [names], "causal",
+ *                "weightUnit", "scale", "scoreUnit", "sqrtD",
+ *                "sentences": [{"text", "tokens", "weights", "scores", "initial"}]}]}
+ *
+ * `weights` (uint16, counts of weightUnit) and `scores` (int16, q.k before
+ * the scale, counts of scoreUnit) are base64 little-endian arrays
+ * (layers, H, L, L) flattened.
  *
  * (Not a `<script type="application/json">`: Material's instant navigation
  * re-runs the scripts of a new page as JavaScript.)
@@ -27,6 +39,7 @@
 
   var SVG = "http://www.w3.org/2000/svg";
   var STEPS = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1 };
+  var MINUS_INFINITY = "\u2212\u221e";
 
   /* The index a key press moves to from `i` among `n` items, or null for other keys. */
   function moved(event, i, n) {
@@ -45,49 +58,71 @@
     return element;
   }
 
-  /* One thumbnail: a button holding an L x L heatmap of one head and its name. */
-  function thumbnail(matrix, name, head) {
-    var L = matrix.length;
-    var button = document.createElement("button");
-    button.type = "button";
-    button.className = "attention-explorer-thumb";
-    button.dataset.head = String(head);
-    button.title = name + ": open this head";
-    var svg = svgElement("svg", {
-      viewBox: "0 0 " + L + " " + L,
-      class: "attention-explorer-thumb-map",
-      "aria-hidden": "true",
-      focusable: "false",
-      "shape-rendering": "crispEdges",
-    });
-    svg.appendChild(svgElement("rect", { class: "attention-explorer-thumb-bg", width: L, height: L }));
-    matrix.forEach(function (row, i) {
-      row.forEach(function (w, j) {
-        svg.appendChild(svgElement("rect", {
-          class: "attention-explorer-cell", x: j, y: i, width: 1, height: 1, "fill-opacity": w,
-        }));
-      });
-    });
-    svg.appendChild(svgElement("rect", {
-      class: "attention-explorer-thumb-row", x: 0, y: 0, width: L, height: 1,
-      "vector-effect": "non-scaling-stroke", visibility: "hidden",
-    }));
-    var label = document.createElement("span");
-    label.className = "attention-explorer-thumb-label";
-    label.textContent = name;
-    button.appendChild(svg);
-    button.appendChild(label);
-    return button;
+  function element(name, className, text) {
+    var node = document.createElement(name);
+    if (className) node.className = className;
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  /* A base64 array of little-endian 16-bit integers, times `unit`. */
+  function unpack(text, unit, signed) {
+    var bytes = atob(text);
+    var view = new DataView(new ArrayBuffer(bytes.length));
+    for (var b = 0; b < bytes.length; b++) view.setUint8(b, bytes.charCodeAt(b));
+    var values = new Array(bytes.length / 2);
+    for (var i = 0; i < values.length; i++) {
+      values[i] = (signed ? view.getInt16(2 * i, true) : view.getUint16(2 * i, true)) * unit;
+    }
+    return values;
+  }
+
+  /* A readable minus sign, and no "-0.00". */
+  function fixed(x, digits) {
+    var text = x.toFixed(digits);
+    if (Number(text) === 0) text = (0).toFixed(digits);
+    return text.replace("-", "\u2212");
+  }
+
+  /* One sentence of one model, decoded once: w(l, h, i, j) and s(l, h, i, j) (q.k). */
+  function decoded(model, sentence) {
+    if (sentence.cache) return sentence.cache;
+    var L = sentence.tokens.length;
+    var H = model.heads.length;
+    var weights = unpack(sentence.weights, model.weightUnit, false);
+    var scores = sentence.scores ? unpack(sentence.scores, model.scoreUnit, true) : null;
+    function at(l, h, i, j) { return ((l * H + h) * L + i) * L + j; }
+    sentence.cache = {
+      L: L,
+      w: function (l, h, i, j) { return weights[at(l, h, i, j)]; },
+      s: scores ? function (l, h, i, j) { return scores[at(l, h, i, j)]; } : null,
+      // each head's largest weight: the thumbnails' own contrast
+      max: function (l, h) {
+        var top = 0;
+        for (var k = at(l, h, 0, 0); k < at(l, h, 0, 0) + L * L; k++) top = Math.max(top, weights[k]);
+        return top;
+      },
+    };
+    return sentence.cache;
   }
 
   function tokenButton(token, i) {
-    var button = document.createElement("button");
+    var button = element("button", "attention-explorer-token", token);
     button.type = "button";
-    button.className = "attention-explorer-token";
     button.dataset.index = String(i);
     button.setAttribute("aria-pressed", "false");
-    button.textContent = token;
     return button;
+  }
+
+  function setOptions(select, names, selected) {
+    select.textContent = "";
+    names.forEach(function (name, i) {
+      var option = element("option", "", name);
+      option.value = String(i);
+      option.selected = i === selected;
+      select.appendChild(option);
+    });
+    select.disabled = names.length < 2;
   }
 
   function setup(root) {
@@ -105,76 +140,217 @@
       root.dataset.explorerReady = "error";
       return;
     }
+    var modelSelect = root.querySelector("select.attention-explorer-model");
     var layerSelect = root.querySelector("select.attention-explorer-layer");
     var sentenceSelect = root.querySelector("select.attention-explorer-sentence");
     var tokensBox = root.querySelector(".attention-explorer-tokens");
     var thumbsBox = root.querySelector(".attention-explorer-thumbs");
     var status = root.querySelector(".attention-explorer-status");
-    var bars = root.querySelector(".attention-explorer-bars");
+    var steps = root.querySelector(".attention-explorer-steps");
+    var directionButtons = Array.prototype.slice.call(
+      root.querySelectorAll("button.attention-explorer-direction-button"));
     var hint = status.textContent;
-    var state = {
-      sentence: sentenceSelect ? Number(sentenceSelect.value) : 0,
-      layer: layerSelect ? Number(layerSelect.value) : 0,
-      head: Number(headSelect.value) || 0,
-      // the token chosen in each sentence, kept when the reader switches back
-      queries: data.sentences.map(function (s) { return s.initial === undefined ? null : s.initial; }),
-      drawnTokens: null, // the sentence whose token buttons are in the page
-      drawnThumbs: null, // "sentence/layer" of the thumbnails in the page
-    };
+    // what the reader chose in each model, kept when they switch back
+    var views = data.models.map(function (model, m) {
+      var start = m === data.model ? data.start : { sentence: 0, layer: 0, head: 0 };
+      return {
+        sentence: start.sentence, layer: start.layer, head: start.head,
+        // the token chosen in each sentence
+        queries: model.sentences.map(function (s) { return s.initial === undefined ? null : s.initial; }),
+      };
+    });
+    var state = { model: data.model, direction: "to", drawnTokens: null, drawnThumbs: null };
 
-    function current() {
-      return data.sentences[state.sentence];
-    }
+    function model() { return data.models[state.model]; }
+    function view() { return views[state.model]; }
+    function sentence() { return model().sentences[view().sentence]; }
 
     function tokenButtons() {
       return Array.prototype.slice.call(tokensBox.querySelectorAll("button.attention-explorer-token"));
     }
 
     function thumbButtons() {
-      return thumbsBox
-        ? Array.prototype.slice.call(thumbsBox.querySelectorAll("button.attention-explorer-thumb"))
-        : [];
+      return Array.prototype.slice.call(thumbsBox.querySelectorAll("button.attention-explorer-thumb"));
     }
 
     function drawTokens() {
-      var sentence = current();
+      var key = state.model + "/" + view().sentence;
+      var tokens = sentence().tokens;
       var existing = tokenButtons().map(function (b) { return b.textContent; });
-      if (state.drawnTokens === null && existing.join("\u0000") === sentence.tokens.join("\u0000")) {
-        state.drawnTokens = state.sentence; // the buttons written at build time
+      if (state.drawnTokens === null && existing.join("\u0000") === tokens.join("\u0000")) {
+        state.drawnTokens = key; // the buttons written at build time
         return;
       }
-      if (state.drawnTokens === state.sentence) return;
+      if (state.drawnTokens === key) return;
       tokensBox.textContent = "";
-      sentence.tokens.forEach(function (token, i) {
-        tokensBox.appendChild(tokenButton(token, i));
-      });
-      state.drawnTokens = state.sentence;
+      tokens.forEach(function (token, i) { tokensBox.appendChild(tokenButton(token, i)); });
+      state.drawnTokens = key;
     }
 
+    /* The menus of the chosen model: rebuilt when the model changes. */
+    function drawMenus() {
+      var m = model();
+      var v = view();
+      if (sentenceSelect) setOptions(sentenceSelect, m.sentences.map(function (s) { return s.text; }), v.sentence);
+      if (layerSelect) setOptions(layerSelect, m.layers, v.layer);
+      setOptions(headSelect, m.heads, v.head);
+    }
+
+    /* The overview: a row per layer, a column per head, one small heatmap each. */
     function drawThumbs() {
-      if (!thumbsBox) return;
-      var key = state.sentence + "/" + state.layer;
+      var key = state.model + "/" + view().sentence;
       if (state.drawnThumbs === key) return;
+      var m = model();
+      var d = decoded(m, sentence());
+      var L = d.L;
       thumbsBox.textContent = "";
-      current().weights[state.layer].forEach(function (matrix, h) {
-        thumbsBox.appendChild(thumbnail(matrix, data.heads[h], h));
+      thumbsBox.style.setProperty("--explorer-heads", String(m.heads.length));
+      thumbsBox.appendChild(element("span", "attention-explorer-corner", ""));
+      m.heads.forEach(function (name, h) {
+        var label = element("span", "attention-explorer-axis attention-explorer-axis-head", String(h));
+        label.title = name;
+        thumbsBox.appendChild(label);
+      });
+      m.layers.forEach(function (layerName, l) {
+        var label = element("span", "attention-explorer-axis attention-explorer-axis-layer", String(l));
+        label.title = layerName;
+        thumbsBox.appendChild(label);
+        m.heads.forEach(function (headName, h) {
+          var button = element("button", "attention-explorer-thumb");
+          button.type = "button";
+          button.dataset.layer = String(l);
+          button.dataset.head = String(h);
+          var name = (m.layers.length > 1 ? layerName + ", " : "") + headName;
+          button.title = name + ": open this head";
+          button.setAttribute("aria-label", name);
+          var top = d.max(l, h) || 1;
+          button.dataset.max = String(top);
+          var svg = svgElement("svg", {
+            viewBox: "0 0 " + L + " " + L, class: "attention-explorer-thumb-map",
+            "aria-hidden": "true", focusable: "false", "shape-rendering": "crispEdges",
+          });
+          svg.appendChild(svgElement("rect", { class: "attention-explorer-thumb-bg", width: L, height: L }));
+          for (var i = 0; i < L; i++) {
+            for (var j = 0; j < L; j++) {
+              var w = d.w(l, h, i, j);
+              if (w <= 0) continue;
+              svg.appendChild(svgElement("rect", {
+                class: "attention-explorer-cell", x: j, y: i, width: 1, height: 1,
+                "fill-opacity": (w / top).toFixed(3),
+              }));
+            }
+          }
+          svg.appendChild(svgElement("rect", {
+            class: "attention-explorer-thumb-row", x: 0, y: 0, width: L, height: 1,
+            "vector-effect": "non-scaling-stroke", visibility: "hidden",
+          }));
+          button.appendChild(svg);
+          thumbsBox.appendChild(button);
+        });
       });
       state.drawnThumbs = key;
+    }
+
+    /* The table of steps for the chosen token, in the chosen direction. */
+    function drawSteps(d, query) {
+      var m = model();
+      var v = view();
+      var tokens = sentence().tokens;
+      var to = state.direction === "to";
+      steps.textContent = "";
+      var table = element("table", "attention-explorer-table");
+      var head = element("tr");
+      var columns = [[to ? "key" : "query", "attention-explorer-label"]];
+      if (d.s) {
+        columns.push(["q\u00b7k", "attention-explorer-score"]);
+        columns.push(["\u00f7" + m.sqrtD, "attention-explorer-scaled"]);
+        if (m.causal) columns.push(["mask", "attention-explorer-masked"]);
+      }
+      columns.push([d.s ? "softmax" : "weight", "attention-explorer-value"]);
+      columns.forEach(function (c) {
+        var th = element("th", c[1], c[0]);
+        th.scope = "col";
+        head.appendChild(th);
+      });
+      var thead = element("thead");
+      thead.appendChild(head);
+      table.appendChild(thead);
+      var body = element("tbody");
+      for (var other = 0; other < d.L; other++) {
+        var i = to ? query : other; // the query of this cell
+        var j = to ? other : query; // its key
+        var w = d.w(v.layer, v.head, i, j);
+        var row = element("tr", "attention-explorer-row");
+        row.dataset.token = String(other);
+        row.dataset.weight = String(w);
+        var label = element("th", "attention-explorer-label", tokens[other]);
+        label.scope = "row";
+        row.appendChild(label);
+        if (d.s) {
+          var s = d.s(v.layer, v.head, i, j);
+          var masked = m.causal && j > i;
+          row.dataset.score = String(s);
+          row.appendChild(element("td", "attention-explorer-score", fixed(s, 2)));
+          row.appendChild(element("td", "attention-explorer-scaled", fixed(s * m.scale, 2)));
+          if (m.causal) {
+            var cell = element("td", "attention-explorer-masked", masked ? MINUS_INFINITY : fixed(s * m.scale, 2));
+            if (masked) row.classList.add("is-masked");
+            row.appendChild(cell);
+          }
+        }
+        var value = element("td", "attention-explorer-value", w.toFixed(3));
+        value.style.setProperty("--attention-weight", String(w));
+        row.appendChild(value);
+        body.appendChild(row);
+      }
+      table.appendChild(body);
+      steps.appendChild(table);
+    }
+
+    function statusText(query) {
+      var m = model();
+      var v = view();
+      var tokens = sentence().tokens;
+      var where = m.heads[v.head];
+      if (m.layers.length > 1) where = m.layers[v.layer] + ", " + where;
+      var word = "\u201c" + tokens[query] + "\u201d (token " + query + ")";
+      var how = sentence().scores
+        ? " Each score is q\u00b7k, divided by " + m.sqrtD +
+          (m.causal ? ", set to " + MINUS_INFINITY + " where the key comes after the query (causal mask)" : "") +
+          "; the softmax turns a query's row of scores into weights that sum to 1."
+        : "";
+      if (state.direction === "to") {
+        return where + ": where " + word + " attends, as the query; its weights sum to 1." + how;
+      }
+      return where + ": how much each query attends to " + word + ", as the key. Each weight is a share " +
+        "of that query's own row, so this column need not sum to 1." + how;
     }
 
     function render() {
       drawTokens();
       drawThumbs();
-      var sentence = current();
-      var query = state.queries[state.sentence];
-      var heads = sentence.weights[state.layer];
-      thumbButtons().forEach(function (thumb, h) {
-        var selected = h === state.head;
+      var m = model();
+      var v = view();
+      var d = decoded(m, sentence());
+      var query = v.queries[v.sentence];
+      var to = state.direction === "to";
+      directionButtons.forEach(function (b) {
+        b.setAttribute("aria-pressed", b.dataset.direction === state.direction ? "true" : "false");
+      });
+      thumbButtons().forEach(function (thumb) {
+        var l = Number(thumb.dataset.layer);
+        var h = Number(thumb.dataset.head);
+        var selected = l === v.layer && h === v.head;
         thumb.setAttribute("aria-pressed", selected ? "true" : "false");
-        thumb.tabIndex = selected ? 0 : -1; // one tab stop; arrows move between heads
-        var row = thumb.querySelector(".attention-explorer-thumb-row");
-        row.setAttribute("visibility", query === null ? "hidden" : "visible");
-        row.setAttribute("y", String(query === null ? 0 : query));
+        thumb.tabIndex = selected ? 0 : -1; // one tab stop; arrows move between heads and layers
+        var line = thumb.querySelector(".attention-explorer-thumb-row");
+        line.setAttribute("visibility", query === null ? "hidden" : "visible");
+        var at = query === null ? 0 : query;
+        // the chosen token's row (as the query) or column (as the key)
+        line.setAttribute("x", to ? "0" : String(at));
+        line.setAttribute("y", to ? String(at) : "0");
+        line.setAttribute("width", to ? String(d.L) : "1");
+        line.setAttribute("height", to ? "1" : String(d.L));
       });
       tokenButtons().forEach(function (button, i) {
         var selected = i === query;
@@ -186,53 +362,32 @@
           button.removeAttribute("title");
           return;
         }
-        var w = heads[state.head][query][i];
+        var w = to ? d.w(v.layer, v.head, query, i) : d.w(v.layer, v.head, i, query);
         button.style.setProperty("--attention-weight", String(w));
         button.classList.toggle("is-strong", w >= 0.5);
         button.title = "weight " + w.toFixed(3);
       });
-      bars.textContent = "";
       if (query === null) {
         status.textContent = hint;
+        steps.textContent = "";
         return;
       }
-      var where = data.heads[state.head];
-      if (data.layers.length > 1) where = data.layers[state.layer] + ", " + where;
-      status.textContent =
-        where + ": where \u201c" + sentence.tokens[query] + "\u201d (token " + query +
-        ") attends. Each weight is a share of its attention; they sum to 1.";
-      heads[state.head][query].forEach(function (w, j) {
-        var item = document.createElement("li");
-        item.className = "attention-explorer-row";
-        item.dataset.key = String(j);
-        item.dataset.weight = String(w);
-        var label = document.createElement("span");
-        label.className = "attention-explorer-label";
-        label.textContent = sentence.tokens[j];
-        var track = document.createElement("span");
-        track.className = "attention-explorer-track";
-        var bar = document.createElement("span");
-        bar.className = "attention-explorer-bar";
-        bar.style.width = (100 * w).toFixed(1) + "%";
-        track.appendChild(bar);
-        var value = document.createElement("span");
-        value.className = "attention-explorer-value";
-        value.textContent = w.toFixed(3);
-        item.appendChild(label);
-        item.appendChild(track);
-        item.appendChild(value);
-        bars.appendChild(item);
-      });
+      status.textContent = statusText(query);
+      drawSteps(d, query);
     }
 
     function chooseToken(i) {
-      state.queries[state.sentence] = i;
+      var v = view();
+      v.queries[v.sentence] = i;
       render();
     }
 
-    function chooseHead(h) {
-      state.head = h;
+    function chooseHead(l, h) {
+      var v = view();
+      v.layer = l;
+      v.head = h;
       headSelect.value = String(h);
+      if (layerSelect) layerSelect.value = String(l);
       render();
     }
 
@@ -258,35 +413,49 @@
       event.preventDefault();
       buttons[next].focus(); // focusing a token selects it
     });
-    if (thumbsBox) {
-      thumbsBox.addEventListener("click", function (event) {
-        var thumb = event.target.closest ? event.target.closest("button.attention-explorer-thumb") : null;
-        if (thumb) chooseHead(Number(thumb.dataset.head));
+    directionButtons.forEach(function (button) {
+      button.addEventListener("click", function () {
+        state.direction = button.dataset.direction;
+        render();
       });
-      thumbsBox.addEventListener("keydown", function (event) {
-        var thumb = event.target.closest ? event.target.closest("button.attention-explorer-thumb") : null;
-        if (!thumb) return;
-        var thumbs = thumbButtons();
-        var next = moved(event, Number(thumb.dataset.head), thumbs.length);
-        if (next === null) return;
-        event.preventDefault();
-        chooseHead(next);
-        thumbs[next].focus();
-      });
-    }
+    });
+    thumbsBox.addEventListener("click", function (event) {
+      var thumb = event.target.closest ? event.target.closest("button.attention-explorer-thumb") : null;
+      if (thumb) chooseHead(Number(thumb.dataset.layer), Number(thumb.dataset.head));
+    });
+    thumbsBox.addEventListener("keydown", function (event) {
+      var thumb = event.target.closest ? event.target.closest("button.attention-explorer-thumb") : null;
+      if (!thumb) return;
+      var l = Number(thumb.dataset.layer);
+      var h = Number(thumb.dataset.head);
+      var vertical = event.key === "ArrowUp" || event.key === "ArrowDown";
+      var next = vertical ? moved(event, l, model().layers.length) : moved(event, h, model().heads.length);
+      if (next === null) return;
+      event.preventDefault();
+      if (vertical) l = next; else h = next;
+      chooseHead(l, h);
+      thumbsBox.querySelector('button[data-layer="' + l + '"][data-head="' + h + '"]').focus();
+    });
     headSelect.addEventListener("change", function () {
-      state.head = Number(headSelect.value);
+      view().head = Number(headSelect.value);
       render();
     });
     if (layerSelect) {
       layerSelect.addEventListener("change", function () {
-        state.layer = Number(layerSelect.value);
+        view().layer = Number(layerSelect.value);
         render();
       });
     }
     if (sentenceSelect) {
       sentenceSelect.addEventListener("change", function () {
-        state.sentence = Number(sentenceSelect.value);
+        view().sentence = Number(sentenceSelect.value);
+        render();
+      });
+    }
+    if (modelSelect) {
+      modelSelect.addEventListener("change", function () {
+        state.model = Number(modelSelect.value);
+        drawMenus();
         render();
       });
     }
