@@ -1354,8 +1354,10 @@ def from_flashinfer_mla(
         kv_indices: ints, page numbers.
         kv_len_arr: ``(B,)`` ints, the keys each request holds.
         sm_scale: FlashInfer's softmax scale (it has no default).
-        num_heads, head_dim_ckv, head_dim_kpe, page_size: ``plan``'s, checked
-            against the tensors when given.
+        num_heads: ``plan``'s, checked against the tensors when given.
+        head_dim_ckv: ``plan``'s, checked against the tensors when given.
+        head_dim_kpe: ``plan``'s, checked against the tensors when given.
+        page_size: ``plan``'s, checked against the tensors when given.
 
     Returns:
         ``{"q_nope", "q_pe", "latent", "k_pe", "w_uk", "w_uv", "scale"}``.

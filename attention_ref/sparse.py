@@ -513,7 +513,7 @@ class LightningIndexer(torch.nn.Module):
         >>> indexer = LightningIndexer(16, 8, num_heads=3, head_dim=6, rope_dim=4, topk=2)
         >>> x, c_q = torch.randn(1, 5, 16), torch.randn(1, 5, 8)
         >>> angles = torch.arange(5.0)[:, None] * torch.tensor([1.0, 0.01])  # (L, R/2)
-        >>> indexer(x, c_q, (angles.cos(), angles.sin()), is_causal=True).tolist()[0][0]
+        >>> indexer(x, c_q, (angles.cos(), angles.sin()), is_causal=True)[0, 0].tolist()
         [0, -1]
     """
 
@@ -605,9 +605,12 @@ class LightningIndexer(torch.nn.Module):
         """The top-``topk`` keys of each of the ``L`` tokens among the same ``L`` (no cache).
 
         Args:
-            hidden_states, q_resid, rotary: as `project`.
-            attn_mask, is_causal, return_scores: as `lightning_indexer` (transformers
-                passes its causal mask ``(B, L, S)``).
+            hidden_states: as `project`.
+            q_resid: as `project`.
+            rotary: as `project`.
+            attn_mask: as `lightning_indexer` (transformers passes its causal mask ``(B, L, S)``).
+            is_causal: as `lightning_indexer`.
+            return_scores: as `lightning_indexer`.
 
         Returns:
             As `lightning_indexer`: ``indices`` ``(B, L, min(topk, L))``, ``-1`` = no key.
