@@ -256,32 +256,97 @@ def _delta_rule_recurrent(q, k, v, g, beta, state):
     return out, state
 
 
+_BLOCK_ELEMENTS = 2**19
+"""How many decay factors ``exp(Gamma_i - Gamma_j)`` (``C * C`` per chunk and head for a
+scalar gate, ``C * C * E`` per channel) `_delta_rule_chunked` builds at once: a bound on
+the memory of the chunks prepared together."""
+
+
+def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """The inverse of unit lower-triangular ``(..., C, C)`` matrices, by doubling blocks.
+
+    ``[[A11, 0], [A21, A22]]^-1 = [[T11, 0], [-T22 A21 T11, T22]]`` with ``T = A^-1`` of
+    the diagonal blocks: from blocks of 1 (``T = 1``) to blocks of ``C`` in ``log2(C)``
+    rounds of batched matmuls (``C`` is padded to a power of two with an identity block).
+    The same numbers as forward substitution (``torch.linalg.solve_triangular``) up to
+    rounding, with one Python round per doubling, not per row, and without the solve's
+    copies to column-major layout: on CPU the two solves per chunk took about a third of
+    the chunked form's time (benchmarks/linear_bench.py), the inverse a few percent.
+    """
+    C = A.shape[-1]
+    n = 1 << max(C - 1, 0).bit_length()  # the next power of two
+    if n != C:  # [[A, 0], [0, I]]: its inverse is [[A^-1, 0], [0, I]]
+        A = torch.nn.functional.pad(A, (0, n - C, 0, n - C))
+        A = A + torch.diag(torch.cat([A.new_zeros(C), A.new_ones(n - C)]))
+    T = A.new_ones(*A.shape[:-2], n, 1, 1)  # (..., n / b, b, b): inverses of the diagonal blocks, b = 1
+    b = 1
+    while b < n:
+        m = n // (2 * b)  # pairs of blocks
+        pairs = A.unflatten(-1, (m, 2 * b)).unflatten(-3, (m, 2 * b))  # (..., m, 2b, m, 2b)
+        diag = pairs.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # (..., m, 2b, 2b): diagonal blocks of 2b
+        T1, T2 = T.unflatten(-3, (m, 2)).unbind(-3)  # (..., m, b, b) each: upper-left, lower-right
+        X = -(T2 @ diag[..., b:, :b] @ T1)  # (..., m, b, b) x (..., m, b, b) x (..., m, b, b)
+        T = torch.cat([torch.cat([T1, torch.zeros_like(T1)], dim=-1),
+                       torch.cat([X, T2], dim=-1)], dim=-2)  # (..., m, 2b, 2b)
+        b *= 2
+    return T[..., 0, :C, :C]  # (..., C, C)
+
+
+def _chunk_systems(q, k, v, g, beta):
+    """The part of the chunked form that does not depend on the entry state, for many chunks at once.
+
+    q, k: ``(..., C, E)``; v: ``(..., C, Ev)``; g: ``(..., C, 1 or E)`` log decay; beta:
+    ``(..., C)``; ``...`` may hold a chunk axis. Returns, each with the same leading dims:
+    ``U = A^-1 (beta V)`` ``(..., C, Ev)``; ``W = A^-1 (beta K exp(Gamma))`` ``(..., C, E)``;
+    ``Q exp(Gamma)`` ``(..., C, E)``; the decayed scores ``Q K^T * D`` ``(..., C, C)``;
+    ``K exp(Gamma_C - Gamma)`` ``(..., C, E)``; ``exp(Gamma_C)`` ``(..., 1, 1 or E)``.
+    """
+    C = k.shape[-2]
+    gamma = g.cumsum(dim=-2)  # (..., C, 1 or E): log decay from the chunk's entry to token i
+    decay_in = gamma.exp()  # (..., C, 1 or E)
+    beta = beta[..., None]  # (..., C, 1)
+    # the UT system: A = I + strictly_lower(diag(beta) K K^T * D), unit lower-triangular
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    A_inv = _unit_lower_inverse(eye + beta * _decayed_scores(k, k, gamma, diagonal=False))  # (..., C, C)
+    A_beta = A_inv * beta.transpose(-1, -2)  # (..., C, C): A^-1 diag(beta), columns scaled
+    U = A_beta @ v  # (..., C, C) x (..., C, Ev) -> (..., C, Ev)
+    if gamma.shape[-1] == 1:  # a scalar gate folds into the columns too: A^-1 diag(beta exp(Gamma)) K
+        W = (A_beta * decay_in.transpose(-1, -2)) @ k  # (..., C, C) x (..., C, E) -> (..., C, E)
+    else:
+        W = A_beta @ (k * decay_in)  # (..., C, C) x (..., C, E) -> (..., C, E)
+    scores = _decayed_scores(q, k, gamma, diagonal=True)  # (..., C, C)
+    gamma_last = gamma[..., -1:, :]  # (..., 1, 1 or E): the whole chunk's log decay
+    k_out = k * (gamma_last - gamma).exp()  # (..., C, E): each write's decay to the chunk's end
+    return U, W, q * decay_in, scores, k_out, gamma_last.exp()
+
+
 def _delta_rule_chunked(q, k, v, g, beta, state, chunk_size):
     """The chunked (WY/UT) form: equal to `_delta_rule_recurrent`, with matmuls inside each chunk.
 
     Same arguments (``beta`` required); the last chunk is shorter when ``L`` is not a
-    multiple of ``chunk_size`` (no padding), so no chunk reads past the sequence.
+    multiple of ``chunk_size`` (no padding), so no chunk reads past the sequence. What
+    does not depend on the state (the UT system, its inverse, the decayed scores) is
+    computed for several chunks at once (`_chunk_systems`, at most `_BLOCK_ELEMENTS` decay
+    factors at a time); only the state's pass from chunk to chunk loops.
     """
+    B, Hv, L, _ = q.shape
+    C = chunk_size
+    full = L // C  # whole chunks; a shorter one follows when C does not divide L
+    at_once = max(1, _BLOCK_ELEMENTS // (B * Hv * C * C * g.shape[-1]))
+    blocks = [(first * C, min(at_once, full - first), C) for first in range(0, full, at_once)]
+    if L % C:
+        blocks.append((full * C, 1, L % C))
     outs = []
-    for start in range(0, q.shape[2], chunk_size):
-        chunk = slice(start, start + chunk_size)
-        q_c, k_c, v_c, g_c = q[:, :, chunk], k[:, :, chunk], v[:, :, chunk], g[:, :, chunk]  # (B, Hv, C, .)
-        beta_c = beta[:, :, chunk, None]  # (B, Hv, C, 1)
-        C = q_c.shape[2]
-        gamma = g_c.cumsum(dim=2)  # (B, Hv, C, 1 or E): log decay from the chunk's entry to token i
-        # the UT system: A = I + strictly_lower(diag(beta) K K^T * D), unit lower-triangular
-        eye = torch.eye(C, dtype=q.dtype, device=q.device)
-        A = eye + _decayed_scores(beta_c * k_c, k_c, gamma, diagonal=False)  # (B, Hv, C, C)
-        U = torch.linalg.solve_triangular(A, beta_c * v_c, upper=False, unitriangular=True)  # (B, Hv, C, Ev)
-        W = torch.linalg.solve_triangular(A, beta_c * k_c * gamma.exp(), upper=False,
-                                          unitriangular=True)  # (B, Hv, C, E)
-        v_new = U - W @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): what is written
-        inter = (q_c * gamma.exp()) @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): the entry state
-        intra = _decayed_scores(q_c, k_c, gamma, diagonal=True) @ v_new  # (B, Hv, C, C) x (B, Hv, C, Ev)
-        outs.append(inter + intra)  # (B, Hv, C, Ev)
-        gamma_last = gamma[:, :, -1:]  # (B, Hv, 1, 1 or E): the whole chunk's log decay
-        state = (gamma_last.transpose(-1, -2).exp() * state  # rows of (B, Hv, E, Ev) decay
-                 + (k_c * (gamma_last - gamma).exp()).transpose(-1, -2) @ v_new)  # (B, Hv, E, C) x (B, Hv, C, Ev)
+    for start, n, size in blocks:
+        span = slice(start, start + n * size)
+        # (B, Hv, n * C, .) -> (n, B, Hv, C, .): each chunk contiguous
+        parts = (x[:, :, span].unflatten(2, (n, size)).movedim(2, 0).contiguous() for x in (q, k, v, g, beta))
+        for U, W, q_in, scores, k_out, decay in zip(*(x.unbind(0) for x in _chunk_systems(*parts))):
+            v_new = U - W @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): what is written
+            inter = q_in @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): the entry state's share
+            outs.append(inter + scores @ v_new)  # (B, Hv, C, C) x (B, Hv, C, Ev) -> (B, Hv, C, Ev)
+            state = (decay.transpose(-1, -2) * state  # rows of (B, Hv, E, Ev) decay
+                     + k_out.transpose(-1, -2) @ v_new)  # (B, Hv, E, C) x (B, Hv, C, Ev)
     out = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)  # (B, Hv, L, Ev)
     return out, state
 
@@ -317,7 +382,8 @@ def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scal
         q, k = l2_normalize(q), l2_normalize(k)
     q = q * (E**-0.5 if scale is None else scale)
     group = Hv // H
-    q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))  # (B, L, H, E) -> (B, L, Hv, E)
+    if group > 1:  # repeat_interleave copies even for a group of 1
+        q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))  # (B, L, H, E) -> (B, L, Hv, E)
     q, k, v, g = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g))  # (B, L, Hv, .) -> (B, Hv, L, .)
     beta = None if beta is None else beta.transpose(1, 2).to(dtype)  # (B, L, Hv) -> (B, Hv, L)
     if bounds is None:
@@ -333,7 +399,8 @@ def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scal
                           *(() if beta is None else (beta[:, :, seq],)), state, **kw)
         outs.append(out)
         finals.append(state)
-    out = torch.cat(outs, dim=2).transpose(1, 2).to(out_dtype)  # (B, Hv, L, Ev) -> (B, L, Hv, Ev)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, Hv, L, Ev)
+    out = out.transpose(1, 2).to(out_dtype)  # (B, Hv, L, Ev) -> (B, L, Hv, Ev)
     return out, (torch.cat(finals, dim=0) if output_final_state else None)
 
 

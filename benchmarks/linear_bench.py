@@ -1,0 +1,267 @@
+"""The gated delta rule on CPU: chunked against the recurrence and transformers, and its crossover with softmax.
+
+A benchmark, not a test: every figure is measured side by side in one run and written as JSON
+with its provenance (device, versions, command, git commit, load average). Run from the
+repository root:
+
+    .venv/bin/python benchmarks/linear_bench.py [--reps 5] [--threads 1] [--out DIR_OR_FILE]
+
+Two parts, forward only, float32, batch 1, under ``torch.no_grad()``:
+
+``headline``
+    ``T = 8192`` tokens, ``H = 8`` heads (``Hv = H``), ``E = Ev = 128`` (fla's ``K = V``),
+    three implementations of the same layer (Gated DeltaNet, q and k L2-normalised in the
+    kernel, ``scale = E ** -0.5``, random log gates ``g`` in ``[-0.1, 0]`` and ``beta`` in
+    ``[0, 1)``):
+
+    - ``chunked``: `attention_ref.linear.gated_delta_rule` with ``mode="chunked"``,
+      ``chunk_size=64``;
+    - ``recurrent``: the same function with ``mode="recurrent"`` (the token loop);
+    - ``transformers``: transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's PyTorch
+      fallback, ``chunk_size=64``, ``use_qk_l2norm_in_kernel=True``).
+
+    Goals (issue 22): ``recurrent / chunked >= 5`` and ``chunked / transformers <= 2``. The
+    outputs are compared too (largest absolute difference from the recurrence).
+
+``crossover``
+    For each ``L`` (256 ... 4096 by default, same ``H``, ``E``), the chunked gated delta
+    rule against causal softmax attention, `attention_ref.scaled_dot_product_attention`
+    (``backend="math"``, ``is_causal=True``, the ``(B, H, L, L)`` weights materialised):
+    time per call and the extra peak of torch CPU allocations during one call (torch's
+    profiler with ``profile_memory=True``, `attention_bench.cpu_peak_bytes`; inputs
+    excluded). The crossover length, where the two times (or peaks) are equal, is
+    interpolated on the log-log scale between the two measured lengths around it.
+
+Timing: torch's intra-op threads are fixed (``--threads``, recorded; 1 by default: on a shared
+two-core machine a second thread that waits for a busy core makes the recurrence's thousands of
+small operations pathologically slow, about 40x in one trial, which would flatter the ratio).
+Each case is called once to warm it up (that call's output is the one compared) and its number
+of calls per measurement chosen so that one measurement lasts at least ``--min-time`` seconds;
+then the cases take turns (round-robin), ``--reps`` rounds, and the
+median time per call is reported, every raw measurement kept in the JSON. The process's CPU
+time (``time.process_time``) is recorded beside the wall-clock time: with one thread it leaves
+out the time the process waited for a core, so on a busy machine it is the steadier of the two
+(the goals are judged on wall-clock medians; the ratios in CPU time are reported too).
+Progress goes to stderr. ``--quick`` runs toy sizes in seconds (the smoke test; its figures
+mean nothing). The result goes to benchmarks/results/linear/linear-<date>.json unless ``--out``
+says otherwise (a directory, or a path ending in .json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from attention_bench import _load, cpu_peak_bytes, provenance  # noqa: E402
+
+from attention_ref import scaled_dot_product_attention  # noqa: E402
+from attention_ref.linear import gated_delta_rule  # noqa: E402
+
+CROSSOVER_LENGTHS = [256, 512, 1024, 2048, 4096]
+QUICK = dict(tokens=256, heads=2, head_dim=16, lengths=[32, 64, 128], reps=2, min_time=0.002)
+RECURRENT_GOAL = 5.0
+"""``recurrent / chunked`` must be at least this."""
+TRANSFORMERS_GOAL = 2.0
+"""``chunked / transformers`` must be at most this."""
+
+
+def _say(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def _warm_up(fn: Callable[[], object], min_time: float) -> tuple[object, int]:
+    """Call ``fn`` once; its result, and the number of calls that makes one measurement last ``min_time``."""
+    start = time.perf_counter()
+    result = fn()
+    once = time.perf_counter() - start
+    if once < min_time:  # a fast case: time a second, warm call to size the measurement
+        start = time.perf_counter()
+        fn()
+        once = time.perf_counter() - start
+    return result, max(1, math.ceil(min_time / max(once, 1e-7)))
+
+
+def time_cases(cases: dict[str, Callable[[], object]], reps: int, min_time: float
+               ) -> tuple[dict[str, object], dict[str, dict]]:
+    """Warm-up results, and the median seconds per call of each case; the cases take turns, ``reps`` rounds."""
+    results, numbers = {}, {}
+    for name, fn in cases.items():
+        results[name], numbers[name] = _warm_up(fn, min_time)
+    per_call: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, fn in cases.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(numbers[name]):
+                fn()
+            per_call[name].append((time.perf_counter() - start) / numbers[name])
+            cpu[name].append((time.process_time() - start_cpu) / numbers[name])
+    times = {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+                    "calls_per_measurement": numbers[name], "per_call_s": t,
+                    "median_cpu_s": statistics.median(cpu[name]), "per_call_cpu_s": cpu[name]}
+             for name, t in per_call.items()}
+    return results, times
+
+
+def crossover(xs: list[float], a: list[float], b: list[float]) -> float | None:
+    """The first ``x`` where ``a`` stops exceeding ``b``, interpolated on the log-log scale; None if never.
+
+    ``a`` is expected to grow faster with ``x`` than ``b`` (softmax attention against the
+    linear form): the answer lies between the last ``x`` with ``a < b`` and the first with
+    ``a >= b``. The first ``x`` if ``a >= b`` already there.
+    """
+    for i, (x, ai, bi) in enumerate(zip(xs, a, b)):
+        if ai >= bi:
+            if i == 0:
+                return float(x)
+            # log(a / b) is linear in log(x) between the two points: find its zero
+            r0, r1 = math.log(a[i - 1] / b[i - 1]), math.log(ai / bi)
+            lx0, lx1 = math.log(xs[i - 1]), math.log(x)
+            return math.exp(lx0 + (lx1 - lx0) * (0 - r0) / (r1 - r0))
+    return None
+
+
+def _inputs(T: int, H: int, E: int, seed: int) -> dict[str, torch.Tensor]:
+    """Gated DeltaNet inputs in the ``(B, L, H, .)`` layout, float32, B = 1."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, T, H, E, generator=gen) for _ in range(3))  # (B, L, H, E), Ev = E
+    g = -0.1 * torch.rand(1, T, H, generator=gen)  # (B, L, H): log decay in [-0.1, 0]
+    beta = torch.rand(1, T, H, generator=gen)  # (B, L, H)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+
+
+def measure_headline(T: int, H: int, E: int, chunk_size: int, reps: int, min_time: float, seed: int) -> dict:
+    """Chunked, recurrent and transformers' chunked form at one size (see the module docstring)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    x = _inputs(T, H, E, seed)
+    cases = {
+        "chunked": lambda: gated_delta_rule(**x, mode="chunked", chunk_size=chunk_size)[0],
+        "transformers": lambda: torch_chunk_gated_delta_rule(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk_size, use_qk_l2norm_in_kernel=True)[0],
+        "recurrent": lambda: gated_delta_rule(**x, mode="recurrent")[0],
+    }
+    with torch.no_grad():
+        outs, times = time_cases(cases, reps, min_time)
+    errors = {f"{name}_vs_recurrent": float((outs[name] - outs["recurrent"]).abs().max())
+              for name in ("chunked", "transformers")}
+    med = {name: t["median_s"] for name, t in times.items()}
+    ratios = {"recurrent_over_chunked": med["recurrent"] / med["chunked"],
+              "chunked_over_transformers": med["chunked"] / med["transformers"]}
+    cpu = {name: t["median_cpu_s"] for name, t in times.items()}
+    cpu_ratios = {"recurrent_over_chunked": cpu["recurrent"] / max(cpu["chunked"], 1e-12),
+                  "chunked_over_transformers": cpu["chunked"] / max(cpu["transformers"], 1e-12)}
+    return {"T": T, "times": times, "max_abs_diff": errors, "ratios": ratios, "cpu_time_ratios": cpu_ratios,
+            "goals": {"recurrent_over_chunked": {"goal": f">= {RECURRENT_GOAL}",
+                                                 "met": ratios["recurrent_over_chunked"] >= RECURRENT_GOAL},
+                      "chunked_over_transformers": {"goal": f"<= {TRANSFORMERS_GOAL}",
+                                                    "met": ratios["chunked_over_transformers"] <= TRANSFORMERS_GOAL}}}
+
+
+def measure_crossover_length(L: int, H: int, E: int, chunk_size: int, reps: int, min_time: float, seed: int) -> dict:
+    """The chunked gated delta rule and causal softmax attention at one length: time and peak memory."""
+    x = _inputs(L, H, E, seed)
+    q, k, v = (x[n].transpose(1, 2).contiguous() for n in "qkv")  # (B, L, H, E) -> (B, H, L, E)
+    cases = {
+        "gated_delta_rule_chunked": lambda: gated_delta_rule(**x, mode="chunked", chunk_size=chunk_size)[0],
+        "softmax_sdpa_math": lambda: scaled_dot_product_attention(q, k, v, is_causal=True, backend="math"),
+    }
+    with torch.no_grad():
+        _, times = time_cases(cases, reps, min_time)
+        peaks = {name: cpu_peak_bytes(fn) for name, fn in cases.items()}
+    return {"L": L, "times": times, "peak_bytes": peaks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", choices=["headline", "crossover"], default=["headline", "crossover"])
+    parser.add_argument("--tokens", type=int, default=8192, help="T of the headline part")
+    parser.add_argument("--heads", type=int, default=8, help="H (= Hv)")
+    parser.add_argument("--head-dim", type=int, default=128, help="E = Ev (fla's K = V)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="tokens per chunk (both chunked forms)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=CROSSOVER_LENGTHS, help="L of the crossover")
+    parser.add_argument("--reps", type=int, default=5, help="rounds per case (the median is reported)")
+    parser.add_argument("--min-time", type=float, default=0.5, help="seconds per measurement, at least")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, see above)")
+    parser.add_argument("--quick", action="store_true", help="toy sizes, seconds: the smoke test")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/linear",
+                        help="a directory (linear-<date>.json is written there) or a .json path")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--quick" in argv:  # toy sizes by default; options given on the command line still win
+        parser.set_defaults(**QUICK)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    record: dict = {"provenance": provenance(torch.device("cpu"), argv), "load_before": _load()}
+    record["provenance"]["command"] = " ".join(["python", "benchmarks/linear_bench.py", *argv])
+    record["provenance"]["transformers"] = transformers.__version__
+    record["config"] = {"B": 1, "H": args.heads, "Hv": args.heads, "E": args.head_dim, "Ev": args.head_dim,
+                        "dtype": "float32", "direction": "forward, torch.no_grad()", "chunk_size": args.chunk_size,
+                        "T": args.tokens, "lengths": args.lengths, "reps": args.reps, "min_time_s": args.min_time,
+                        "threads": torch.get_num_threads(), "quick": args.quick, "parts": args.parts,
+                        "gates": "g = -0.1 * U[0, 1), beta = U[0, 1), q and k L2-normalised, scale E ** -0.5",
+                        "softmax": "attention_ref.scaled_dot_product_attention, backend='math', is_causal=True"}
+    if "headline" in args.parts:
+        _say(f"headline: T = {args.tokens}, H = {args.heads}, E = Ev = {args.head_dim}: chunked, transformers, "
+             f"recurrent x {args.reps} rounds (the recurrence is slow)")
+        head = measure_headline(args.tokens, args.heads, args.head_dim, args.chunk_size, args.reps, args.min_time,
+                                seed=0)
+        med = {name: t["median_s"] for name, t in head["times"].items()}
+        _say(f"    chunked {med['chunked']:.3f} s  transformers {med['transformers']:.3f} s  "
+             f"recurrent {med['recurrent']:.2f} s")
+        for name, ratio in head["ratios"].items():
+            goal = head["goals"][name]
+            _say(f"    {name}: {ratio:.2f}x (goal {goal['goal']}: {'met' if goal['met'] else 'NOT met'}); "
+                 f"in CPU time {head['cpu_time_ratios'][name]:.2f}x")
+        _say(f"    largest |difference| from the recurrence: {head['max_abs_diff']}")
+        record["headline"] = head
+    if "crossover" in args.parts:
+        rows = []
+        for i, L in enumerate(args.lengths):
+            _say(f"[{i + 1}/{len(args.lengths)}] crossover L = {L}: chunked gated delta rule, softmax")
+            row = measure_crossover_length(L, args.heads, args.head_dim, args.chunk_size, args.reps, args.min_time,
+                                           seed=1 + i)
+            t, m = row["times"], row["peak_bytes"]
+            _say(f"    {1e3 * t['gated_delta_rule_chunked']['median_s']:.1f} ms vs "
+                 f"{1e3 * t['softmax_sdpa_math']['median_s']:.1f} ms, peak {m['gated_delta_rule_chunked'] / 2**20:.1f}"
+                 f" MiB vs {m['softmax_sdpa_math'] / 2**20:.1f} MiB")
+            rows.append(row)
+        Ls = [r["L"] for r in rows]
+        soft_t = [r["times"]["softmax_sdpa_math"]["median_s"] for r in rows]
+        lin_t = [r["times"]["gated_delta_rule_chunked"]["median_s"] for r in rows]
+        soft_m = [r["peak_bytes"]["softmax_sdpa_math"] for r in rows]
+        lin_m = [r["peak_bytes"]["gated_delta_rule_chunked"] for r in rows]
+        record["crossover"] = {"rows": rows, "time_L": crossover(Ls, soft_t, lin_t),
+                               "memory_L": crossover(Ls, soft_m, lin_m),
+                               "what": "L where softmax attention's median time (peak bytes) first reaches the "
+                                       "chunked gated delta rule's, log-log interpolation; None: not in range"}
+        _say(f"crossover: time at L ~ {record['crossover']['time_L']}, memory at L ~ "
+             f"{record['crossover']['memory_L']}")
+    record["load_after"] = _load()
+    _say(f"load average before {record['load_before']['loadavg_1_5_15']}, after "
+         f"{record['load_after']['loadavg_1_5_15']}")
+    out = args.out
+    if out.suffix != ".json":
+        out = out / f"linear-{dt.date.today().isoformat()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    _say(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
