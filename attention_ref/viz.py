@@ -575,7 +575,8 @@ def _chrome(figure: Figure) -> None:
 
     Titles, axis labels, tick labels, spines, ticks, legend text and colourbar text in pure black
     become `_CHROME_TEXT` / `_CHROME_LINE`; white figure, axes and legend backgrounds `_CHROME_BACKGROUND`.
-    Text placed on the data (``ax.text``, e.g. a cell's value) keeps its colour.
+    Text placed with ``ax.text`` becomes chrome too on a chart without cells (a bar's value); on a
+    heatmap (an image or a mesh) it keeps its colour, chosen against the cell it sits on.
     """
     mpl = _matplotlib()
     to_rgba = mpl.colors.to_rgba
@@ -603,6 +604,12 @@ def _chrome(figure: Figure) -> None:
         legend = ax.get_legend()
         if legend is not None:
             for t in legend.get_texts() + [legend.get_title()]:
+                text(t)
+        # text on a chart without cells (a bar's value, a curve's label) sits on the background: chrome;
+        # on a heatmap it may sit on a cell, whose colour its own was chosen against: kept
+        has_cells = bool(ax.images) or any(isinstance(c, mpl.collections.QuadMesh) for c in ax.collections)
+        if not has_cells:
+            for t in ax.texts:
                 text(t)
 
 

@@ -666,16 +666,23 @@ def test_to_svg_themes_a_pyplot_figure_made_with_the_default_colours():
     plt = pytest.importorskip("matplotlib.pyplot")
     fig, ax = plt.subplots()
     ax.plot([1, 2, 3], label="cost")
-    ax.text(1, 2, "on the data", color="black")
+    ax.text(1, 2, "a label", color="black")
+    ax.bar_label(ax.bar([0], [1]))
     ax.set_title("a line")
     ax.legend()
     svg = to_svg(fig)
     assert "#000000" not in svg  # matplotlib's black chrome is gone
-    # text placed on the data keeps its colour: black, SVG's default fill, written as no fill at all
-    assert re.search(r'<text style="[^"]*"[^>]*>on the data<', svg) and not re.search(
-        r'<text style="[^"]*fill: [^"]*"[^>]*>on the data<', svg)
+    # on a chart without cells, text placed with ax.text (a label, a bar's value) is chrome too
+    assert re.search(r'fill: var\(--ar-figure-text, #1a1a1a\)"[^>]*>a label<', svg)
+    assert re.search(r'fill: var\(--ar-figure-text, #1a1a1a\)"[^>]*>1<', svg)
     assert re.search(r'fill: var\(--ar-figure-text, #1a1a1a\)"[^>]*>a line<', svg)
     assert "#1f77b4" in _colours(svg)  # the data line keeps matplotlib's blue
+    # on a heatmap, ax.text keeps its colour: it was chosen against the cell under it
+    fig, ax = plt.subplots()
+    ax.imshow([[0.0, 1.0]])
+    ax.text(0, 0, "on a cell", color="black")
+    assert re.search(r'<text style="[^"]*"[^>]*>on a cell<', (cell := to_svg(fig))) and not re.search(
+        r'<text style="[^"]*fill: [^"]*"[^>]*>on a cell<', cell)
     assert 'aria-label="a line"' in svg
 
 
