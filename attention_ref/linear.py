@@ -827,8 +827,8 @@ def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
 
     Example:
         >>> import torch
-        >>> l2_normalize(torch.tensor([3.0, 4.0]), eps=0.0)
-        tensor([0.6000, 0.8000])
+        >>> l2_normalize(torch.tensor([3.0, 4.0]), eps=0.0).tolist() == [0.6000000238418579, 0.800000011920929]
+        True
     """
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover - only for the annotations
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["explorer_html", "head_grid", "heatmap", "heatmaps", "to_svg"]
+__all__ = ["explorer_html", "head_grid", "head_grid_html", "heatmap", "heatmaps", "to_svg"]
 
 _INSTALL_HINT = 'pip install "attention-ref[plot]" (or pip install matplotlib)'
 
@@ -621,36 +621,20 @@ def _label(figure: Figure) -> str:
     return "; ".join(titles) or "figure"
 
 
-def to_svg(figure: Figure) -> str:
-    """Render a figure as an inline ``<svg>`` element and close the figure.
+def _caption(caption: object) -> str | None:
+    """``caption`` checked: a str (escaped later) or None."""
+    if caption is not None and not isinstance(caption, str):
+        raise TypeError(f"caption must be a str or None, got {type(caption).__name__}")
+    return caption or None
 
-    The string has no XML prolog or doctype, so it can be printed straight into
-    an HTML page (markdown-exec ``html="1"``). It scales down to the width of
-    the page. The output is deterministic: ids come from a fixed salt and no
-    date is written, so rebuilding a page does not change it.
 
-    Args:
-        figure: a matplotlib figure (from [`heatmap`][attention_ref.viz.heatmap],
-            [`head_grid`][attention_ref.viz.head_grid] or your own).
-
-    Returns:
-        The ``<svg ...>...</svg>`` markup.
-
-    Raises:
-        ImportError: matplotlib is not installed.
-        TypeError: ``figure`` is not a matplotlib Figure.
-
-    Examples:
-        >>> from attention_ref.viz import heatmap, to_svg
-        >>> svg = to_svg(heatmap([[0.25, 0.75], [1.0, 0.0]], ["a", "b"]))
-        >>> svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
-        True
-    """
+def _svg(figure: Figure, label: str | None = None) -> str:
+    """The figure as themed inline ``<svg>`` markup named ``label`` (default: its titles); closes it."""
     mpl = _matplotlib()
     if not isinstance(figure, mpl.figure.Figure):
         raise TypeError(f"figure must be a matplotlib.figure.Figure, got {type(figure).__name__}")
     _chrome(figure)
-    label = _label(figure)
+    label = _label(figure) if label is None else label
     buffer = io.StringIO()
     with _style():
         figure.savefig(buffer, format="svg", metadata={"Date": None}, facecolor="white")
@@ -668,6 +652,175 @@ def to_svg(figure: Figure) -> str:
                          'style="max-width: 100%; height: auto"', svg, count=1)
     # No indentation and no blank lines: smaller, and safe inside Markdown.
     return "\n".join(line.strip() for line in svg.splitlines() if line.strip()) + "\n"
+
+
+def _figure_box(body: str, caption: str | None) -> str:
+    """``body`` in a ``<figure class="ar-figure-box">`` with ``caption`` (escaped) as its ``<figcaption>``."""
+    figcaption = f"<figcaption>{html.escape(caption)}</figcaption>\n" if caption else ""
+    return f'<figure class="ar-figure-box">\n{body}{figcaption}</figure>\n'
+
+
+def to_svg(figure: Figure, *, caption: str | None = None) -> str:
+    """Render a figure as an inline ``<svg>`` element and close the figure.
+
+    The string has no XML prolog or doctype, so it can be printed straight into
+    an HTML page (markdown-exec ``html="1"``). It scales down to the width of
+    the page. The output is deterministic: ids come from a fixed salt and no
+    date is written, so rebuilding a page does not change it. The ``<svg>`` is
+    named for screen readers (``role="img"``, ``aria-label``) by the figure's
+    title, else its panels' titles.
+
+    Args:
+        figure: a matplotlib figure (from [`heatmap`][attention_ref.viz.heatmap],
+            [`head_grid`][attention_ref.viz.head_grid] or your own).
+        caption: a sentence shown under the figure: the ``<svg>`` then comes
+            inside ``<figure class="ar-figure-box">`` with the caption, escaped,
+            as its ``<figcaption>``. Without one, the ``<svg>`` alone.
+
+    Returns:
+        The ``<svg ...>...</svg>`` markup, or ``<figure ...>...</figure>`` with a caption.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        TypeError: ``figure`` is not a matplotlib Figure; ``caption`` is not a str.
+
+    Examples:
+        >>> from attention_ref.viz import heatmap, to_svg
+        >>> svg = to_svg(heatmap([[0.25, 0.75], [1.0, 0.0]], ["a", "b"]))
+        >>> svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+        True
+        >>> boxed = to_svg(heatmap([[1.0]]), caption="One query, one key: weight 1.")
+        >>> boxed.startswith('<figure class="ar-figure-box">')
+        True
+        >>> boxed.splitlines()[-2:]
+        ['<figcaption>One query, one key: weight 1.</figcaption>', '</figure>']
+    """
+    caption = _caption(caption)
+    svg = _svg(figure)
+    return _figure_box(svg, caption) if caption else svg
+
+
+# A head of head_grid_html is drawn at most this wide (216 px): two side by side fill a phone's column
+# (358 px at a 390 px viewport) at 0.81 of their size, so 9 pt labels render at 9.7 px there and at
+# 12 px where they are shown at their own size.
+_PANEL_WIDTH = 2.25
+_PANEL_GAP = 0.08  # inches between heads (0.4rem of the site, about 8 px)
+_BAR_STRIP = (3.5, 0.8)  # the colour bar under the heads, in inches (336 px: a phone's column holds it)
+
+
+def _head_panel(mpl: Any, weights: np.ndarray, queries: list[str] | None, keys: list[str] | None,
+                name: str, cmap: str, mask: bool) -> Figure:
+    """One head's ``(L, S)`` heatmap, titled ``name``, with its own labels and no colour bar."""
+    L, S = weights.shape
+    left, bottom = _margins(queries, keys, L, S)
+    top, right = 0.35, 0.12
+    cell_w = min(_CELL, (_PANEL_WIDTH - left - right) / max(S, 1))
+    # rows a label each where the height allows: a little taller than wide is still a map
+    cell_h = min(_CELL, max(cell_w, _MIN_CELL), (_MAX_HEIGHT - bottom - top) / max(L, 1))
+    width = max(left + S * cell_w + right, min(_PANEL_WIDTH, 0.095 * len(name) + 0.3))
+    fig = mpl.figure.Figure(figsize=(width, bottom + L * cell_h + top), layout="constrained")
+    ax = fig.add_subplot()
+    _draw(ax, weights, queries, keys, cmap, False, mask=mask, step=_steps(cell_h, cell_w, keys, S))
+    ax.set_title(name)
+    return fig
+
+
+def _colorbar_strip(mpl: Any, label: str, cmap: str, mask: bool) -> Figure:
+    """A horizontal 0-1 colour bar on its own, labelled ``label``: the scale every head shares."""
+    fig = mpl.figure.Figure(figsize=_BAR_STRIP, layout="constrained")
+    ax = fig.add_subplot()
+    mappable = mpl.cm.ScalarMappable(norm=mpl.colors.Normalize(0.0, 1.0), cmap=cmap)
+    bar = fig.colorbar(mappable, cax=ax, orientation="horizontal", label=label)
+    if mask:
+        bar.set_ticks([0.0, 1.0], labels=["0", "1"])
+    return fig
+
+
+def head_grid_html(
+    weights: object,
+    query_labels: Sequence[object] | None = None,
+    key_labels: Sequence[object] | None = None,
+    *,
+    ncols: int | None = None,
+    title: str | None = None,
+    head_names: Sequence[str] | None = None,
+    cmap: str = "viridis",
+    colorbar_label: str | None = None,
+    caption: str | None = None,
+) -> str:
+    """One small inline SVG per head, laid out by the page: ``ncols`` per row, 2 per row on a phone.
+
+    [`head_grid`][attention_ref.viz.head_grid] draws every head in one wide
+    figure, which a phone shrinks until its labels cannot be read. Here each head
+    is its own figure (at most 2.25 inches, 216 px wide, labelled on both axes,
+    named ``head 3`` for screen readers), and the heads sit in a CSS grid,
+    ``<div class="ar-head-grid">``: ``ncols`` per row where the screen is wide,
+    2 per row below 720 px (the site's ``extra.css``), where their 9 pt labels
+    still render at 9.7 px or more. One colour bar under the heads gives the
+    shared 0-1 scale.
+
+    Args:
+        weights: ``(H, L, S)`` weights in ``[0, 1]``, or a boolean mask.
+        query_labels: ``L`` row labels.
+        key_labels: ``S`` column labels; defaults to ``query_labels`` when ``L == S``.
+        ncols: heads per row on a wide screen. Defaults to as many as fit 7
+            inches (the text column) at their own size, at most ``H``.
+        title: a line over the heads (HTML text, so it follows the page's colours).
+        head_names: ``H`` panel titles; defaults to ``head 0``, ``head 1``, ...
+        cmap: a matplotlib colormap name.
+        colorbar_label: what the colours measure; defaults to
+            ``"attention weight"`` (``"mask (1 = takes part)"`` for booleans).
+        caption: a sentence under the heads, as the ``<figcaption>``.
+
+    Returns:
+        ``<figure class="ar-figure-box">`` holding the title, the grid of heads,
+        the colour bar and the caption; print it into a page (markdown-exec ``html="1"``).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: ``weights`` not 3-D or not in ``[0, 1]``, ``H == 0``, a bad
+            ``ncols``, label lists of the wrong length.
+        TypeError: a ``colorbar_label``, ``title`` or ``caption`` that is not a str.
+
+    Examples:
+        >>> import torch
+        >>> from attention_ref import attention_weights
+        >>> from attention_ref.viz import head_grid_html
+        >>> w = attention_weights(torch.randn(4, 5, 8), torch.randn(4, 5, 8))  # (H, L, S) = (4, 5, 5)
+        >>> page = head_grid_html(w, list("abcde"), ncols=4, caption="Four heads.")
+        >>> '<div class="ar-head-grid" style="--ar-head-columns: 4; --ar-head-columns-phone: 2">' in page
+        True
+        >>> [page.count(f'aria-label="head {h}"') for h in range(4)]
+        [1, 1, 1, 1]
+    """
+    mask = _is_mask(weights)
+    array = _as_array("weights", weights, 3, "(H, L, S)")
+    H = array.shape[0]
+    if H == 0:
+        raise ValueError(f"weights must hold at least one head, got shape {array.shape}")
+    if ncols is not None and (isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1):
+        raise ValueError(f"ncols must be a positive int or None, got {ncols!r}")
+    if head_names is not None and len(head_names) != H:
+        raise ValueError(f"head_names must have one name per head ({H}), got {len(head_names)}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title must be a str or None, got {type(title).__name__}")
+    caption = _caption(caption)
+    label = _colorbar_label("colorbar_label", colorbar_label, mask)
+    names = [str(n) for n in head_names] if head_names is not None else [f"head {h}" for h in range(H)]
+    queries, keys = _resolve_labels(array.shape, query_labels, key_labels)
+    with _style() as mpl:
+        panels = [_head_panel(mpl, array[h], queries, keys, names[h], cmap, mask) for h in range(H)]
+        width = panels[0].get_size_inches()[0]
+        if ncols is None:  # as many as the text column holds at their own size
+            ncols = max(1, int((_MAX_WIDTH + _PANEL_GAP) // (width + _PANEL_GAP)))
+        ncols = min(ncols, H)
+        svgs = [_svg(fig, name) for fig, name in zip(panels, names)]
+        bar = _svg(_colorbar_strip(mpl, label, cmap, mask), f"colour scale: {label}, from 0 to 1")
+    bar = bar.replace('class="ar-figure"', 'class="ar-figure ar-head-grid-colorbar"', 1)
+    heading = f'<p class="ar-head-grid-title">{html.escape(title)}</p>\n' if title else ""
+    grid = (f'<div class="ar-head-grid" style="--ar-head-columns: {ncols}; '
+            f'--ar-head-columns-phone: {min(ncols, 2)}">\n' + "".join(svgs) + "</div>\n")
+    return _figure_box(heading + grid + bar, caption)
 
 
 _EXPLORER_MODEL_KEYS = frozenset({"sentences", "scores", "scale", "causal", "head_names", "layer_names"})

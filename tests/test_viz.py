@@ -19,8 +19,15 @@ pytest.importorskip("matplotlib", reason="attention_ref.viz figures need matplot
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from attention_ref import attention_weights, causal_mask  # noqa: E402
-from attention_ref.viz import explorer_html, head_grid, heatmap, heatmaps, to_svg  # noqa: E402
+from attention_ref import attention_weights, causal_mask, viz  # noqa: E402
+from attention_ref.viz import (  # noqa: E402
+    explorer_html,
+    head_grid,
+    head_grid_html,
+    heatmap,
+    heatmaps,
+    to_svg,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 TOKENS = ["the", "bank", "of", "the", "river"]
@@ -396,6 +403,105 @@ def test_to_svg_closes_pyplot_figures():
 def test_to_svg_rejects_non_figures():
     with pytest.raises(TypeError, match=r"figure must be a matplotlib.figure.Figure, got str"):
         to_svg("not a figure")
+
+
+def test_to_svg_with_a_caption_wraps_the_same_svg_in_a_figure():
+    def fig():
+        return heatmap(weights(5, 5), TOKENS, title="one head")
+
+    bare = to_svg(fig())
+    assert bare.startswith("<svg") and "<figure" not in bare and "figcaption" not in bare
+    assert to_svg(fig(), caption=None) == bare == to_svg(fig(), caption="")  # no caption: as before
+    boxed = to_svg(fig(), caption="Each row sums to 1.")
+    assert boxed == ('<figure class="ar-figure-box">\n' + bare
+                     + "<figcaption>Each row sums to 1.</figcaption>\n</figure>\n")
+    assert "\n\n" not in boxed
+    root = ET.fromstring(boxed)  # one well-formed element: figure > svg, figcaption
+    assert root.tag == "figure" and root.attrib == {"class": "ar-figure-box"}
+    svg, caption = list(root)
+    assert svg.tag == f"{SVG}svg" and svg.attrib["aria-label"] == "one head" and svg.attrib["role"] == "img"
+    assert caption.tag == "figcaption" and caption.text == "Each row sums to 1."
+
+
+def test_to_svg_escapes_the_caption():
+    text = 'The <pad> key & "the" get <b>0</b>'
+    boxed = to_svg(heatmap(weights(2, 2)), caption=text)
+    assert "<pad>" not in boxed and "<b>" not in boxed
+    assert ET.fromstring(boxed).find("figcaption").text == text  # exact after unescaping
+    with pytest.raises(TypeError, match=r"caption must be a str or None, got int"):
+        to_svg(heatmap(weights(2, 2)), caption=3)
+
+
+def _head_grid_parts(fragment: str):
+    root = ET.fromstring(fragment)
+    assert root.tag == "figure" and root.attrib["class"] == "ar-figure-box"
+    grid = root.find("div")
+    assert grid is not None and grid.attrib["class"] == "ar-head-grid"
+    return root, grid, list(grid)
+
+
+def test_head_grid_html_one_labelled_svg_per_head_in_a_css_grid():
+    w = weights(5, 5, 7)  # (H, L, S): distinct sizes
+    keys = list("abcdefg")
+    fragment = head_grid_html(w, TOKENS, keys, title="all <heads>", caption="Look at head 3.")
+    assert "\n\n" not in fragment and "<heads>" not in fragment
+    root, grid, heads = _head_grid_parts(fragment)
+    title, *_ = list(root)
+    assert title.tag == "p" and title.attrib["class"] == "ar-head-grid-title" and title.text == "all <heads>"
+    # 216 px panels: 3 fit the 672 px column at their own size; 2 per row on a phone
+    assert grid.attrib["style"] == "--ar-head-columns: 3; --ar-head-columns-phone: 2"
+    assert len(heads) == 5
+    for h, svg in enumerate(heads):
+        assert svg.tag == f"{SVG}svg" and svg.attrib["role"] == "img"
+        assert svg.attrib["aria-label"] == f"head {h}"
+        assert float(svg.attrib["width"].removesuffix("pt")) <= 2.25 * 72  # 216 px
+        texts = {"".join(t.itertext()).strip() for t in svg.iter(f"{SVG}text")}
+        # each head stands alone wherever the row breaks: labelled on both axes, titled
+        assert set(TOKENS) | set(keys) | {"key", "query", f"head {h}"} <= texts
+        sizes = [float(x) for x in re.findall(r"font[^;\"]*?(\d+(?:\.\d+)?)px", ET.tostring(svg, "unicode"))]
+        assert sizes and min(sizes) >= MIN_FONT_PT
+    # the shared scale: one colour bar after the grid, then the caption
+    bar, caption = list(root)[2:]
+    assert bar.tag == f"{SVG}svg" and "ar-head-grid-colorbar" in bar.attrib["class"]
+    assert bar.attrib["aria-label"] == "colour scale: attention weight, from 0 to 1"
+    assert "attention weight" in {"".join(t.itertext()).strip() for t in bar.iter(f"{SVG}text")}
+    assert caption.tag == "figcaption" and caption.text == "Look at head 3."
+
+
+def test_head_grid_html_heads_are_readable_figures(monkeypatch):
+    """Each head's figure, before it becomes SVG, fits its panel with no text under 9 pt and no overlap."""
+    checked = []
+    original = viz._svg
+
+    def check(figure, label=None):
+        if label and label.startswith("head"):
+            assert_readable(figure)
+            checked.append(label)
+        return original(figure, label)
+
+    monkeypatch.setattr(viz, "_svg", check)
+    tokens = ["[CLS]", "the", "bank", "of", "the", "river", "was", "flooded", ".", "[SEP]"]
+    head_grid_html(weights(12, 10, 10), tokens)
+    assert checked == [f"head {h}" for h in range(12)]
+
+
+def test_head_grid_html_columns_names_mask_and_errors():
+    _, grid, heads = _head_grid_parts(head_grid_html(weights(1, 3, 3)))
+    assert grid.attrib["style"] == "--ar-head-columns: 1; --ar-head-columns-phone: 1"  # one head: one column
+    _, grid, heads = _head_grid_parts(head_grid_html(weights(4, 3, 3), ncols=4, head_names=list("abcd")))
+    assert grid.attrib["style"] == "--ar-head-columns: 4; --ar-head-columns-phone: 2"
+    assert [svg.attrib["aria-label"] for svg in heads] == list("abcd")
+    root, _, _ = _head_grid_parts(head_grid_html(causal_mask(3)[None].expand(2, 3, 3)))
+    assert root.find("figcaption") is None and root.find("p") is None  # no caption, no title: none drawn
+    assert list(root)[-1].attrib["aria-label"] == "colour scale: mask (1 = takes part), from 0 to 1"
+    with pytest.raises(ValueError, match=r"weights must have 3 dims \(H, L, S\), got 2 dims"):
+        head_grid_html(weights(3, 3))
+    with pytest.raises(ValueError, match=r"ncols must be a positive int or None, got 0"):
+        head_grid_html(weights(2, 3, 3), ncols=0)
+    with pytest.raises(ValueError, match=r"head_names must have one name per head \(2\), got 1"):
+        head_grid_html(weights(2, 3, 3), head_names=["a"])
+    with pytest.raises(TypeError, match=r"caption must be a str or None, got int"):
+        head_grid_html(weights(2, 3, 3), caption=1)
 
 
 # --- optional dependency -------------------------------------------------------

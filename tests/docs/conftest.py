@@ -105,6 +105,10 @@ class MarkdownPage(pytest.File):
                 raise BlockFailed(self.outcomes[index])
             return
         block = self.blocks[index]
+        if not self.outcomes:  # the page's first block: the global state the build gives a page
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                torch.set_printoptions(profile="default")  # as docs/hooks/isolation.py does
         namespace = self.namespace(block)
         output = io.StringIO()
 

@@ -173,3 +173,82 @@ def test_tutorial_code_does_not_scroll_sideways_on_a_phone(browser, site_url: st
         assert phone.evaluate("document.documentElement.scrollWidth") <= 390
     finally:
         context.close()
+
+
+def shows_head_grid(source: str) -> bool:
+    """Whether an executed block of the page inlines a per-head grid (one SVG per head)."""
+    return any("head_grid_html(" in block.code for block in find_blocks(DOCS / source))
+
+
+FIGURE_CAPTIONS = """() => [...document.querySelectorAll('article svg.ar-figure')].map(svg => {
+  const box = svg.closest('figure.ar-figure-box');
+  const caption = box && box.querySelector(':scope > figcaption');
+  const style = caption && getComputedStyle(caption);
+  return {label: svg.getAttribute('aria-label'), caption: caption ? caption.textContent.trim() : null,
+          centred: !!style && style.textAlign === 'center'};
+})"""
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if s.startswith("tutorial/")
+                                    and (shows_figure(s) or shows_head_grid(s))])
+def test_tutorial_figures_have_captions(page, site_url: str, built_site: Path, source: str):
+    """Every figure of a tutorial page sits in a figure with a centred caption that says what to look at."""
+    built_page(built_site, source)
+    page.goto(site_url + page_path(source))
+    page.wait_for_load_state("networkidle")
+    figures = page.evaluate(FIGURE_CAPTIONS)
+    assert figures, f"{source} runs to_svg( or head_grid_html( but shows no svg.ar-figure"
+    missing = [f["label"] for f in figures if not f["caption"]]
+    assert not missing, f"{source}: figures without a <figcaption>: {missing}"
+    assert all(f["centred"] for f in figures), figures
+    assert all(f["caption"].count(" ") >= 4 for f in figures), "a caption is a sentence, not a label"
+
+
+HEAD_GRIDS = """() => {
+  const right = document.querySelector('article.md-content__inner').getBoundingClientRect().right + 1;
+  return [...document.querySelectorAll('article .ar-head-grid')].map(grid => {
+    const heads = [...grid.children].filter(el => el.matches('svg.ar-figure'));
+    const boxes = heads.map(svg => svg.getBoundingClientRect());
+    let smallest = Infinity;
+    for (const t of grid.querySelectorAll('svg text')) {
+      if (!t.getClientRects().length || !t.textContent.trim()) continue;
+      const m = t.getScreenCTM();
+      smallest = Math.min(smallest, parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b));
+    }
+    return {
+      labels: heads.map(svg => svg.getAttribute('aria-label')),
+      perRow: new Set(boxes.map(b => Math.round(b.left))).size,
+      columns: parseInt(getComputedStyle(grid).getPropertyValue('--ar-head-columns')),
+      smallest,
+      outside: boxes.filter(b => b.right > right).length,
+    };
+  });
+}"""
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if s.startswith("tutorial/") and shows_head_grid(s)])
+@pytest.mark.parametrize("width", [390, 1280])
+def test_tutorial_head_grids_show_two_heads_per_row_on_a_phone(browser, site_url: str, built_site: Path,
+                                                               source: str, width: int):
+    """A per-head grid shows its N heads per row on a wide screen and 2 per row at 390 px, where
+    every head's text still renders at 9 px or more; each head is named for screen readers."""
+    built_page(built_site, source)
+    context = browser.new_context(viewport={"width": width, "height": 844})
+    try:
+        screen = context.new_page()
+        screen.goto(site_url + page_path(source))
+        screen.wait_for_load_state("networkidle")
+        grids = screen.evaluate(HEAD_GRIDS)
+    finally:
+        context.close()
+    assert grids, f"{source} calls head_grid_html( but shows no .ar-head-grid"
+    for grid in grids:
+        assert len(grid["labels"]) >= 2 and all(grid["labels"]), grid
+        assert len(set(grid["labels"])) == len(grid["labels"]), f"heads share a name: {grid['labels']}"
+        assert not grid["outside"], f"{grid['outside']} heads end past the column at {width} px"
+        if width == 390:
+            assert grid["perRow"] <= 2, f"{grid['perRow']} heads per row at 390 px: {grid['labels']}"
+            assert grid["smallest"] >= 9.0, f"head text renders at {grid['smallest']:.1f} px at 390 px"
+        else:
+            assert grid["perRow"] == min(grid["columns"], len(grid["labels"])), grid
+            assert grid["smallest"] >= 11.0, f"head text renders at {grid['smallest']:.1f} px at 1280 px"
