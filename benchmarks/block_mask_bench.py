@@ -36,13 +36,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from attention_bench import _load, provenance  # noqa: E402
+from block_sparse_bench import _say, _time  # noqa: E402  (cases timed in turns, as there)
 
 from attention_ref import mods, scaled_dot_product_attention, tiled  # noqa: E402
 from attention_ref.backends import TILED_MODS_BLOCK_K, TILED_MODS_BLOCK_Q  # noqa: E402
@@ -59,26 +58,6 @@ from attention_ref.backends import TILED_MODS_BLOCK_K, TILED_MODS_BLOCK_Q  # noq
 #: The commit whose ``create_block_mask`` is the "before" (the last one before issue 23's change).
 BEFORE_COMMIT = "30f7565"
 WINDOW_KEYS = 256
-
-
-def _time(cases: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, dict]:
-    """Median and spread of each case's wall time (seconds), the cases run in turns."""
-    for fn in cases.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(reps):
-        for name, fn in cases.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "reps": len(t)}
-            for name, t in times.items()}
-
-
-def _say(*args: object) -> None:
-    print(*args, flush=True)
-
 
 def _before_module(commit: str):
     """``attention_ref/tiled.py`` as it was at ``commit``, imported as a module of its own (or None)."""
