@@ -74,7 +74,7 @@ from torch import nn
 from attention_ref import mods
 from attention_ref._inputs import expand_kv_heads
 from attention_ref.functional import attention_weights, scaled_dot_product_attention
-from attention_ref.masks import causal_mask
+from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.multihead import MultiHeadAttention
 
 __all__ = ["CheckReport", "assert_attention_close", "assert_module_close"]
@@ -997,13 +997,7 @@ def _probes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         bottom_right = torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L)  # j <= i + S - L
 
         def aligned() -> torch.Tensor:
-            if mask is None:
-                combined = bottom_right
-            elif mask.dtype == torch.bool:
-                combined = mask & bottom_right
-            else:
-                combined = mask.masked_fill(~bottom_right, float("-inf"))
-            return forward(attn_mask=combined, is_causal=False)
+            return forward(attn_mask=combine_masks(mask, bottom_right), is_causal=False)
 
         probes.append(("causal alignment", "the causal mask is aligned bottom-right (query i keeps key j when "
                        f"j <= i + S - L = i + {S - L}, FlashAttention's convention) instead of top-left "
@@ -1155,13 +1149,7 @@ def _call_torch(m: nn.Module, inputs: list[torch.Tensor], attn_mask: torch.Tenso
     L, S = q.shape[1], k.shape[1]
     mask = attn_mask
     if is_causal:
-        causal = causal_mask(L, S, device=q.device)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
+        mask = combine_masks(mask, causal_mask(L, S, device=q.device))
     if mask is not None and mask.dtype == torch.bool:
         mask = ~mask  # torch.nn.MultiheadAttention: True = masked out
     elif mask is not None:
