@@ -390,12 +390,13 @@ def flash_attention_rule(case: Case, inputs, outputs, attn_mask, mask_mod, score
     return True, ""
 
 
-def worker(device: str) -> None:
+def worker(device: str, shard: int = 0, shards: int = 1) -> None:
+    """Compute the cases ``shard``, ``shard + shards``, ... (every case when ``shards`` is 1)."""
     torch.use_deterministic_algorithms(False)
     cuda = device == "cuda"
     results = {}
-    for case in CASES:
-        if not _runnable(case, cuda):
+    for index, case in enumerate(CASES):
+        if index % shards != shard or not _runnable(case, cuda):
             continue
         try:
             results[case.id] = run_case(case, device)
@@ -422,14 +423,25 @@ def results() -> dict[str, dict[str, object]]:
         env["TRITON_INTERPRET"] = "1"  # must be set before the kernels are defined
         device = "cpu"
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", device],
-        capture_output=True, text=True, env=env, timeout=900, check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS-JSON ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"the worker process failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1].removeprefix("RESULTS-JSON "))
+    # On a GPU most of the time is compiling kernel variants (1-3 s each, on the CPU): the
+    # cases are split over several children that compile side by side. Under the
+    # interpreter one child, so the rest of a parallel test run keeps its cores.
+    shards = int(os.environ.get("ATTENTION_REF_TRITON_TEST_WORKERS", min(8, os.cpu_count() or 1) if CUDA else 1))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", device, str(shard), str(shards)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for shard in range(shards)
+    ]
+    results: dict[str, dict[str, object]] = {}
+    for shard, proc in enumerate(procs):
+        stdout, stderr = proc.communicate(timeout=900)
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULTS-JSON ")]
+        if proc.returncode != 0 or not lines:
+            pytest.fail(f"worker {shard} of {shards} failed (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+        results.update(json.loads(lines[-1].removeprefix("RESULTS-JSON ")))
+    return results
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=_marks(c)) for c in CASES])
@@ -765,7 +777,7 @@ def test_loop_bounds_visit_exactly_the_blocks_a_window_reaches(block_m, block_n,
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2])
+        worker(sys.argv[2], *(int(a) for a in sys.argv[3:5]))
 
 
 def test_tma_needs_16_byte_rows() -> None:
