@@ -31,10 +31,9 @@ others materialise the mod on every pair as for ``mask_mod=``.
 2. CUDA tensors -> ``"triton"`` when the kernel has been verified on a GPU
    (``TRITON_VERIFIED_ON_GPU``), is installed and supports the call (no
    dropout, a key-padding mask or none, mods it implements, ``E == Ev`` in
-   16..128, float16/bfloat16/float32). In this release
-   ``TRITON_VERIFIED_ON_GPU`` is False: its CUDA tests have not all passed
-   on a GPU yet (notes/triton.md), so ``"auto"`` never picks it and it runs
-   only when asked for by name;
+   16..128, float16/bfloat16/float32). Its CUDA tests passed on an H100
+   (notes/triton.md); ``TRITON_VERIFIED_ON_GPU = False`` would keep ``"auto"``
+   to torch's kernels;
 3. a ``score_mod`` or a ``mask_mod`` (measured on CPU with
    ``benchmarks/block_sparse_bench.py``, see ``CPU_MODS_TILED_MIN_LENGTH``):
    on CPU without dropout, ``"tiled"`` for a ``score_mod`` at ``max(L, S) >=
@@ -120,10 +119,9 @@ CPU_MODS_TILED_MIN_SKIPPED = 0.4
 #: Whether the Triton kernel's tests (``tests/test_triton_flash.py``, bfloat16 and large
 #: shapes included) and the GPU benchmark (Triton at least as fast as torch's flash backend)
 #: have passed on a real GPU. Until then ``"auto"`` never picks the kernel: it is reached
-#: only with ``backend="triton"``. The first GPU run (H100, 2026-11-26, notes/triton.md) found
-#: and fixed a backward bug of the TMA option; the kernel's CUDA tests have not passed in full
-#: since, so it is False.
-TRITON_VERIFIED_ON_GPU = False
+#: only with ``backend="triton"``. They have (H100, torch 2.11, triton 3.6, 2026-11-26,
+#: benchmarks/results/gpu-session-2026-11-26b/ and the h100-2026-11-26 grids; notes/triton.md).
+TRITON_VERIFIED_ON_GPU = True
 
 #: Head sizes the Triton kernel is verified for.
 TRITON_HEAD_DIMS = (16, 128)

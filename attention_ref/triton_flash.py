@@ -207,14 +207,15 @@ _INTERPRETER_CONFIG = _Config(16, 16, 4, 1, 16, 16, 16, 16, 4, 1)
 def _gpu_config(head_dim_block: int, dtype: torch.dtype) -> _Config:
     """The launch table for CUDA, chosen for an H100 (sm_90); see notes/triton.md.
 
-    Each entry is the largest tiles whose kernels compile for sm_90 without register
-    spills (or with the fewest, for the D = 128 backward), read from ptxas reports made on
-    a CPU machine. One entry was timed (H100, triton 3.6, 2026-11-26, bf16 L = 8192, the
-    sweep in benchmarks/results/gpu-session-2026-11-26/): the D = 128 backward runs 3
-    stages, 6-9% faster than the 2 it had (20.0 against 21.2 ms forward + backward
-    non-causal, 10.1 against 10.7 ms causal); 16 queries per step were 30-45% slower. 16-bit inputs: 128-query tiles and 8 warps
-    for the forward (``wgmma`` tensor-core instructions); the backward keeps 64 to 128
-    keys per program. float32 uses exact (non-tensor-core) products: smaller tiles.
+    The forward entries are the largest tiles whose kernels compile for sm_90 without
+    register spills, read from ptxas reports made on a CPU machine (128-query tiles, 8
+    warps, ``wgmma`` tensor-core instructions for 16-bit inputs). The D = 128 backward was
+    timed (H100, triton 3.6, bf16 L = 8192, the sweeps in benchmarks/results/
+    gpu-session-2026-11-26*/): 128 keys per dK/dV program and 64 queries per step (the dQ
+    kernel mirrored: 128 queries, 64 keys per step), 8 warps, run forward + backward in
+    8.7 ms non-causal and 4.9 ms causal, against 19.5 and 9.9 ms for the 64 x 32 tiles it had
+    (which spilled fewer registers: wider tiles won over fewer spills), 1.37x torch's flash
+    backend. float32 uses exact (non-tensor-core) products: smaller tiles.
     """
     if dtype == torch.float32:
         if head_dim_block <= 64:
@@ -224,7 +225,7 @@ def _gpu_config(head_dim_block: int, dtype: torch.dtype) -> _Config:
         return _Config(128, 64, 4, 3, 32, 128, 128, 32, 4, 3)
     if head_dim_block <= 64:
         return _Config(128, 64, 8, 3, 32, 128, 128, 32, 8, 3)
-    return _Config(128, 64, 8, 3, 32, 64, 64, 32, 8, 3)
+    return _Config(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
 
 
 # --------------------------------------------------------------------------------------
