@@ -28,12 +28,15 @@ others materialise the mod on every pair as for ``mask_mod=``.
    that forms them; the log-sum-exp requested (``return_lse=True``) -> what
    the rules below pick if it is ``"tiled"``, else ``"math"``, the two paths
    that return it; the same for learned sinks (``sinks=``);
-2. CUDA tensors -> ``"triton"`` when the kernel has been verified on a GPU
-   (``TRITON_VERIFIED_ON_GPU``), is installed and supports the call (no
-   dropout, a key-padding mask or none, mods it implements, ``E == Ev`` in
-   16..128, float16/bfloat16/float32). Its CUDA tests passed on an H100
-   (notes/triton.md); ``TRITON_VERIFIED_ON_GPU = False`` would keep ``"auto"``
-   to torch's kernels;
+2. CUDA tensors with a ``score_mod`` or ``mask_mod`` -> ``"triton"`` when the
+   kernel has been verified on a GPU (``TRITON_VERIFIED_ON_GPU``), is installed
+   and supports the call (no dropout, a key-padding mask or none, mods it
+   implements: a sliding window, causal, soft-capping; ``E == Ev`` in 16..128,
+   float16/bfloat16/float32): torch's kernels would need the mask materialised,
+   or the math path for a score_mod. Plain calls stay with torch (rule 4): on
+   the H100 grid (notes/triton.md) the kernel beat torch's flash backend from
+   4096 keys but ran at 0.6-0.7x cuDNN's, which torch 2.11 picks by default
+   on Hopper;
 3. a ``score_mod`` or a ``mask_mod`` (measured on CPU with
    ``benchmarks/block_sparse_bench.py``, see ``CPU_MODS_TILED_MIN_LENGTH``):
    on CPU without dropout, ``"tiled"`` for a ``score_mod`` at ``max(L, S) >=
@@ -317,8 +320,10 @@ def auto_rule(
         The backend ``"auto"`` runs.
 
     Examples:
-        >>> auto_rule(device_type="cuda", length=4096, triton_supported=True)
+        >>> auto_rule(device_type="cuda", length=4096, triton_supported=True, mask_mod=True)
         'triton'
+        >>> auto_rule(device_type="cuda", length=4096, triton_supported=True)
+        'sdpa'
         >>> auto_rule(device_type="cpu", length=16384, query_dependent_mask=True)
         'tiled'
         >>> auto_rule(device_type="cpu", length=4096, mask_mod=True, fraction_skipped=0.9)
@@ -330,8 +335,8 @@ def auto_rule(
     """
     if return_weights:
         return "math"  # 1. only the reference forms the weights
-    if device_type == "cuda" and triton_supported:
-        return "triton"  # 2. our kernel where it applies
+    if device_type == "cuda" and triton_supported and (score_mod or mask_mod):
+        return "triton"  # 2. our kernel for the mods it implements (torch's kernels would need them materialised)
     if score_mod or mask_mod:  # 3. mods
         if device_type == "cpu" and not dropout:
             if score_mod and length >= CPU_MODS_TILED_MIN_LENGTH:

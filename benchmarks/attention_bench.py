@@ -918,14 +918,17 @@ def _git(*cmd: str) -> str | None:
 
 def _commit() -> dict:
     """The git commit measured: from git, or where the tree was copied without ``.git`` (the device
-    machine gets a copy of the working tree), from ``ATTENTION_REF_GIT_COMMIT`` set by the caller."""
+    machine gets a copy of the working tree, whose .git may be stale), from ``ATTENTION_REF_GIT_COMMIT`` set by
+    the caller, which wins when set."""
+    given = os.environ.get("ATTENTION_REF_GIT_COMMIT")
     commit = _git("rev-parse", "HEAD")
+    if given:  # the caller's word wins: the device's copy may carry a stale .git (seen 2026-11-26)
+        return {"git_commit": given, "git_dirty": None, "git_commit_from": "ATTENTION_REF_GIT_COMMIT",
+                "git_head_in_copy": commit}
     if commit is not None:
         return {"git_commit": commit, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
                 "git_commit_from": "git"}
-    given = os.environ.get("ATTENTION_REF_GIT_COMMIT")
-    return {"git_commit": given, "git_dirty": None,
-            "git_commit_from": "ATTENTION_REF_GIT_COMMIT" if given else "unknown (no git, variable unset)"}
+    return {"git_commit": None, "git_dirty": None, "git_commit_from": "unknown (no git, variable unset)"}
 
 
 def _version(dist: str) -> str | None:

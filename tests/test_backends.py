@@ -362,8 +362,12 @@ def test_auto_rule_on_cuda(monkeypatch):
         monkeypatch.setattr(backends, "_triton_available", lambda device: False)
         assert select_backend(q, q, q) == "sdpa"  # no kernel: torch's
         monkeypatch.setattr(backends, "_triton_available", lambda device: True)
-        assert select_backend(q, q, q) == "triton"
-        assert select_backend(q, q, q, pad, is_causal=True) == "triton"
+        # Plain calls stay with torch's kernels (cuDNN's is faster on Hopper); mods go to it.
+        assert select_backend(q, q, q) == "sdpa"
+        assert select_backend(q, q, q, pad, is_causal=True) == "sdpa"
+        assert select_backend(q, q, q, mask_mod=mods.sliding_window(8)) == "triton"
+        assert select_backend(q, q, q, pad, mask_mod=mods.sliding_window(8)) == "triton"
+        assert select_backend(q, q, q, score_mod=mods.softcap(9.0), is_causal=True) == "triton"
         # The mods the kernel implements go to it; others to torch's kernels (a mask_mod
         # materialised) or the reference (a score_mod).
         assert select_backend(q, q, q, mask_mod=mods.sliding_window(8), score_mod=mods.softcap(9.0)) == "triton"
@@ -378,7 +382,7 @@ def test_auto_rule_on_cuda(monkeypatch):
         n = CPU_TILED_MIN_LENGTH
         long_q = torch.empty(1, 1, n, 64, device="cuda", dtype=torch.float16)
         dense = torch.ones(n, n, device="cuda", dtype=torch.bool)
-        assert select_backend(long_q, long_q, long_q) == "triton"
+        assert select_backend(long_q, long_q, long_q) == "sdpa"
         assert select_backend(long_q, long_q, long_q, dense) == "sdpa"  # never tiled on CUDA
 
 

@@ -439,10 +439,15 @@ def test_a_fast_but_wrong_backend_is_flagged(bench, tmp_path, capsys, monkeypatc
 
 
 def test_the_commit_comes_from_the_caller_where_the_tree_has_no_git(bench, monkeypatch):
-    """The device machine gets a copy of the working tree without .git: the caller names the commit."""
+    """The device machine gets a copy of the working tree, with no .git or a stale one: the caller's
+    ATTENTION_REF_GIT_COMMIT wins over git when set."""
+    monkeypatch.delenv("ATTENTION_REF_GIT_COMMIT", raising=False)
     assert bench._commit()["git_commit_from"] == "git" and len(bench._commit()["git_commit"]) == 40
-    monkeypatch.setattr(bench, "_git", lambda *cmd: None)
     monkeypatch.setenv("ATTENTION_REF_GIT_COMMIT", "0123abc")
-    assert bench._commit() == {"git_commit": "0123abc", "git_dirty": None, "git_commit_from": "ATTENTION_REF_GIT_COMMIT"}
+    head = bench._commit()["git_head_in_copy"]  # a stale .git in the copy is recorded, not believed
+    assert len(head) == 40 and bench._commit()["git_commit"] == "0123abc"
+    monkeypatch.setattr(bench, "_git", lambda *cmd: None)
+    assert bench._commit() == {"git_commit": "0123abc", "git_dirty": None, "git_commit_from": "ATTENTION_REF_GIT_COMMIT",
+                               "git_head_in_copy": None}
     monkeypatch.delenv("ATTENTION_REF_GIT_COMMIT")
     assert bench._commit()["git_commit"] is None and "unknown" in bench._commit()["git_commit_from"]
