@@ -1,13 +1,14 @@
 """The notebooks run in a fresh environment installed with the site's one install line.
 
-A reader who takes a tutorial page home runs ``INSTALL_LINE`` (docs/hooks/notebooks.py:
-``pip install -c constraints.txt ".[learn]"``) at the root of a clone, in a new virtual
-environment, and opens the page's notebook. This test does exactly that: it copies what a
-clone holds for the install (pyproject.toml, README.md, constraints.txt, the package) into a
-temporary folder, creates a virtual environment with ``python -m venv``, runs the install line
-there with the shell, word for word, and then runs every notebook of the built site top to
-bottom as a script with that environment's Python, outside the repository (so the package is
-the installed one). It fails on any error, on any ``127.0.0.1`` and on any ``\\(`` in a
+A reader who takes a tutorial page home downloads the site's source archive (written by
+docs/hooks/source_archive.py, linked from the home page), unpacks it, runs ``INSTALL_LINE``
+(docs/hooks/notebooks.py: ``pip install -c constraints.txt ".[learn]"``) at its root in a new
+virtual environment, and opens a notebook. This test does exactly that: it unpacks the built
+site's archive into a temporary folder, creates a virtual environment with ``python -m
+venv``, runs the install line there with the shell, word for word, and then runs every
+notebook of the archive (each the same file as the built page's) top to bottom as a script
+with that environment's Python, outside the repository (so the package is the installed
+one). It fails on any error, on any ``127.0.0.1`` and on any ``\\(`` in a
 notebook. It also checks that the home page, the README and the notebooks use the line.
 
 It installs from the package registries (torch 2.13.0 from the machine's local CPU wheel,
@@ -20,25 +21,46 @@ environment through). ``ATTENTION_REF_FRESH_VENV=DIR`` reuses (or creates) the e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
+from test_browser import built_page
 from test_notebooks import TUTORIAL_SOURCES, built_notebook, notebooks_hook
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = os.environ.get("ATTENTION_REF_SLOW_TESTS") or os.environ.get("ATTENTION_REF_FRESH_NOTEBOOKS")
-pytestmark = pytest.mark.skipif(
+slow = pytest.mark.skipif(
     not RUN, reason="installs a fresh environment from the registries and runs every notebook "
     "(about 2.5 min): set ATTENTION_REF_SLOW_TESTS=1 or ATTENTION_REF_FRESH_NOTEBOOKS=1")
-CLONE_FILES = ["pyproject.toml", "README.md", "constraints.txt", "attention_ref"]
+
+def _hook():
+    spec = importlib.util.spec_from_file_location("source_archive_hook", ROOT / "docs/hooks/source_archive.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+archive_hook = _hook()
+
+
+def unpacked(built_site: Path, where: Path) -> Path:
+    """The site's source archive, unpacked under ``where``: the folder a reader ``cd``s into."""
+    archive = built_site / "downloads" / archive_hook.archive_name()
+    assert archive.is_file(), f"the built site has no source archive {archive.name}"
+    with tarfile.open(archive) as tar:
+        tar.extractall(where, filter="data")
+    (folder,) = where.iterdir()
+    return folder
 
 
 def test_one_install_line_everywhere():
@@ -48,26 +70,33 @@ def test_one_install_line_everywhere():
         text = (ROOT / path).read_text(encoding="utf-8")
         assert line in text, f"{path} does not give the install line {line!r}"
     assert line in notebooks_hook.INSTALL_CELL
+    home = (ROOT / "docs/index.md").read_text(encoding="utf-8")
+    name = archive_hook.archive_name()
+    assert f"(downloads/{name})" in home and f"tar xzf {name} && cd {name.removesuffix('.tar.gz')}" in home
+
+
+def test_the_source_archive_holds_the_install_files_and_the_notebooks(built_site: Path, tmp_path: Path):
+    folder = unpacked(built_site, tmp_path)
+    for name in archive_hook.SOURCE_FILES:
+        assert (folder / name).exists(), f"the archive has no {name}"
+    assert (folder / "attention_ref" / "functional.py").read_bytes() == (ROOT / "attention_ref" / "functional.py").read_bytes()
+    for source in TUTORIAL_SOURCES:
+        path = built_page(built_site, source).parent / notebooks_hook.notebook_name(source)
+        assert (folder / "notebooks" / path.name).read_bytes() == path.read_bytes(), source
+    assert not list(folder.rglob("__pycache__"))
 
 
 @pytest.fixture(scope="module")
-def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fresh_python(built_site: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = os.environ.get("ATTENTION_REF_FRESH_VENV")
     base = Path(where) if where else tmp_path_factory.mktemp("fresh")
     venv = base / "venv"
     python = venv / "bin" / "python"
-    clone = base / "clone"
     if python.exists() and where:
         return python
-    if clone.exists():
-        shutil.rmtree(clone)
-    clone.mkdir(parents=True)
-    for name in CLONE_FILES:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, clone / name)
+    if (base / "download").exists():
+        shutil.rmtree(base / "download")
+    clone = unpacked(built_site, base / "download")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
@@ -96,10 +125,11 @@ def notebook_script(notebook) -> str:
     return "\n".join(parts)
 
 
+@slow
 @pytest.mark.parametrize("source", TUTORIAL_SOURCES)
 def test_notebook_runs_in_a_fresh_environment(built_site: Path, source: str, fresh_python: Path,
                                               tmp_path: Path):
-    notebook = built_notebook(built_site, source)
+    notebook = built_notebook(built_site, source)  # the same bytes as the archive's (test above)
     text = json.dumps(notebook)  # sources and stored outputs alike
     assert "127.0.0.1" not in text, f"{source}: the notebook names 127.0.0.1"
     raw = "\n".join(json.dumps(cell.source)[1:-1] for cell in notebook.cells) + json.dumps(
