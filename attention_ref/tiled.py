@@ -60,7 +60,7 @@ Shapes use the package legend (``B``, ``H``, ``L``, ``S``, ``E``, ``Ev``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -86,6 +86,32 @@ _LAZY_GROWTH = 32
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 #: With a block mask, neighbouring non-empty key blocks are computed together, up to this many keys.
 _SPAN_KEYS = 512
+#: How many bytes of partial-block masks (as additive biases) a `BlockMask` keeps for later calls.
+_PIECE_CACHE_BYTES = 64 * 2**20
+
+
+class _PieceCache:
+    """A block mask's ``mask_mod`` on its partial blocks, as additive biases (0 / -inf), kept after first use.
+
+    Keyed by the rows and columns of the piece, the dtype, the device and the shapes of
+    the index grids (the call's batch and heads); at most `_PIECE_CACHE_BYTES` bytes:
+    past that, the pieces not kept are evaluated on every use.
+    """
+
+    def __init__(self) -> None:
+        self.pieces: dict[tuple, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def get(self, mask_mod: mods.MaskMod, grids: tuple[torch.Tensor, ...], i0: int, i1: int, j0: int, j1: int,
+            dtype: torch.dtype) -> torch.Tensor:
+        key = (i0, i1, j0, j1, dtype, grids[0].device, tuple(tuple(g.shape) for g in grids))
+        bias = self.pieces.get(key)
+        if bias is None:
+            bias = _bool_to_bias(_mod_block(mask_mod, grids, i0, i1, j0, j1), dtype)
+            if self.nbytes + bias.nbytes <= _PIECE_CACHE_BYTES:
+                self.pieces[key] = bias
+                self.nbytes += bias.nbytes
+        return bias
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,6 +132,12 @@ class BlockMask:
         kinds: ``(ceil(L / block_q), ceil(S / block_k))`` int8: 0 empty (no
             pair of the block takes part, for any ``b`` and ``h``), 1 partial,
             2 full (every pair takes part).
+
+    A block mask is a snapshot of its mod, as FlexAttention's is: besides the
+    kinds, it keeps the mod's values on the partial blocks the first call
+    evaluates (as additive biases, up to 64 MiB), so later calls that reuse it
+    (every layer of a forward pass) evaluate the mod on no block at all. Make a
+    new block mask when the data a mod reads (document ids, lengths) changes.
     """
 
     mask_mod: mods.MaskMod
@@ -116,6 +148,7 @@ class BlockMask:
     block_q: int
     block_k: int
     kinds: torch.Tensor
+    _pieces: _PieceCache = field(default_factory=_PieceCache, init=False, repr=False, compare=False)
 
     @property
     def fraction_skipped(self) -> float:
@@ -517,13 +550,13 @@ def _tiled(
     Hkv = key.shape[-3] if enable_gqa else 1
     G = H // Hkv  # query heads per key/value head (1 without grouped-query attention)
     batch = _batch_shape(query, key, value, enable_gqa)
-    kinds = None
+    kinds = pieces = None
     if block_mask is not None or mask_mod is not None:
         if block_mask is None:
             block_mask = create_block_mask(mask_mod, *_mod_sizes(batch), L, S, block_q=block_q, block_k=block_k,
                                            device=query.device)
         _check_block_mask(block_mask, mask_mod, batch, L, S, block_q, block_k)
-        mask_mod, kinds = block_mask.mask_mod, block_mask.kinds.tolist()
+        mask_mod, kinds, pieces = block_mask.mask_mod, block_mask.kinds.tolist(), block_mask._pieces
     if score_mod is not None:
         _check_score_mod(score_mod, batch, L, S, query)
     prefix = batch[:-1] if enable_gqa else batch  # the dims in front of the heads
@@ -540,7 +573,7 @@ def _tiled(
         q = q.reshape(N, 1, L, E)  # (..., L, E) -> (N, 1, L, E)
         k = key.to(compute).expand(*batch, S, E).reshape(N, S, E)
         v = value.to(compute).expand(*batch, S, Ev).reshape(N, S, Ev)
-    mods_ = (score_mod, mask_mod, kinds)
+    mods_ = (score_mod, mask_mod, kinds, pieces)
     # (N * Hkv, G, L, Ev) and (N * Hkv, G, L, 1), the log-sum-exp in natural-log units
     out, lse = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)
     out, lse = out.reshape(*batch, L, Ev), lse.reshape(*batch, L)  # -> (..., L, Ev), (N * Hkv, G, L, 1) -> (..., L)
@@ -599,8 +632,9 @@ def _scores_block(
     adding them afterwards. ``out`` is a buffer with room for the largest block;
     the result is a contiguous view of its start. ``score_mod`` modifies the
     scores first (then the product cannot be added onto the terms); ``keep``
-    lists ``(first column, mask)`` pieces of a ``mask_mod`` (bool, each
-    broadcastable to ``(..., H, bq, its width)``) to apply to those columns.
+    lists ``(first column, bias)`` pieces of a ``mask_mod`` (0 / -inf in the
+    scores' dtype, each broadcastable to ``(..., H, bq, its width)``) to add to
+    those columns.
     """
     NK, GB, _ = q_blk.shape
     bq, bk = i1 - i0, j1 - j0
@@ -617,7 +651,7 @@ def _scores_block(
         bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else m_blk.to(s.dtype) * _LOG2E
         terms.append((s.view(*batch, bq, bk), bias))  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
     for first, piece in keep:  # (..., H, bq, bk) -> the columns of the piece, a strided view
-        terms.append((s.view(*batch, bq, bk)[..., first:first + piece.shape[-1]], _bool_to_bias(piece, s.dtype)))
+        terms.append((s.view(*batch, bq, bk)[..., first:first + piece.shape[-1]], piece))
     if score_mod is not None:
         # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), then modified in natural units
         torch.bmm(q_blk, kT_blk, out=s)
@@ -725,7 +759,7 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, batch, block_q, block_k, mods_):  # type: ignore[override]
-        score_mod, mask_mod, kinds = mods_
+        score_mod, mask_mod, kinds, pieces = mods_
         NK, G, L, E = q.shape
         S, Ev = v.shape[-2:]
         out = torch.empty(NK, G, L, Ev, dtype=q.dtype, device=q.device)
@@ -737,16 +771,15 @@ class _TiledAttention(torch.autograd.Function):
         for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
             bq = i1 - i0
             q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)  # (NK, G, bq, E) -> (NK, G*bq, E)
-            m_i = torch.full((NK, G * bq, 1), _NEG_INF, dtype=q.dtype, device=q.device)  # running max
-            l_i = torch.zeros(NK, G * bq, 1, dtype=q.dtype, device=q.device)  # running sum of exp
-            acc = torch.zeros(NK, G * bq, Ev, dtype=q.dtype, device=q.device)  # running sum of exp * v
+            # m_i running max, l_i running sum of exp, acc running sum of exp * v: set by the first span
+            m_i = l_i = acc = None
             lazy, neg_m = False, None  # lazy: every row has a finite m_i (then neg_m = -m_i)
             last = min(S, i1) if is_causal else S  # causal: keys j > i1 - 1 are masked for every row
             for j0, j1, partial in _key_spans(kinds, qi, last, block_k, span):
                 kT_blk, v_blk = kT[:, :, j0:j1], v[:, j0:j1]
                 # The mask_mod runs on the partial blocks only: a block it keeps whole never evaluates it
                 # (is_causal still masks the diagonal blocks).
-                keep = [(a - j0, _mod_block(mask_mod, grids, i0, i1, a, b)) for a, b in partial]
+                keep = [(a - j0, pieces.get(mask_mod, grids, i0, i1, a, b, q.dtype)) for a, b in partial]
                 if lazy:
                     # Lazy step: p = exp(s - m_i) against the old max, m_i subtracted inside the matmul;
                     # no max of this block, no rescaling. Kept unless the row sums exceed 2**_LAZY_GROWTH.
@@ -759,6 +792,15 @@ class _TiledAttention(torch.autograd.Function):
                         continue
                 s = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1, out=scores,
                                   score_mod=score_mod, keep=keep, grids=grids)
+                if m_i is None:  # the first span: nothing accumulated yet, nothing to rescale
+                    m_i = s.amax(dim=-1, keepdim=True)  # (NK, G*bq, 1)
+                    # a row with every score -inf keeps max -inf; shift it by 0 so exp gives 0, not NaN
+                    p = s.sub_(m_i.masked_fill(m_i == _NEG_INF, 0.0)).exp2_()
+                    l_i = p.sum(dim=-1, keepdim=True)
+                    acc = torch.bmm(p, v_blk)  # (NK, G*bq, bk) @ (NK, bk, Ev) -> (NK, G*bq, Ev)
+                    lazy = bool((m_i > _NEG_INF).all())
+                    neg_m = -m_i
+                    continue
                 # New running max over the old max and this block's scores.
                 m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
                 # A row with every score so far -inf keeps max -inf; shift it by 0 so exp gives 0, not NaN.
@@ -775,13 +817,17 @@ class _TiledAttention(torch.autograd.Function):
                 m_i = m_new
                 lazy = bool((m_i > _NEG_INF).all())
                 neg_m = -m_i
+            if m_i is None:  # no key block to compute (a block mask emptied the row block): no key takes part
+                m_i = torch.full((NK, G * bq, 1), _NEG_INF, dtype=q.dtype, device=q.device)
+                l_i = torch.zeros(NK, G * bq, 1, dtype=q.dtype, device=q.device)
+                acc = torch.zeros(NK, G * bq, Ev, dtype=q.dtype, device=q.device)
             # out = acc / l_i; a row where no key took part has l_i = 0 and acc = 0: it gives 0.
             out[:, :, i0:i1] = (acc / l_i.masked_fill(l_i == 0, 1.0)).view(NK, G, bq, Ev)
             # lse = m_i + log(l_i), the log of the softmax denominator (-inf on fully masked rows).
             lse[:, :, i0:i1] = (m_i + torch.log2(l_i)).view(NK, G, bq, 1)
         ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
-        ctx.options = (is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, grids)
+        ctx.options = (is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, pieces, grids)
         return out, lse * _LN2  # log2 units -> natural log (-inf stays -inf)
 
     @staticmethod
@@ -789,7 +835,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):  # type: ignore[override]
         q, k, v, out, lse, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
-        is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, grids = ctx.options
+        is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, pieces, grids = ctx.options
         NK, G, L, E = q.shape
         S, Ev = v.shape[-2:]
         d_out = d_out.to(q.dtype)
@@ -817,7 +863,7 @@ class _TiledAttention(torch.autograd.Function):
                 bq = i1 - i0
                 q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)
                 partial = kinds is not None and kinds[qi][kj] == _PARTIAL
-                keep = [(0, _mod_block(mask_mod, grids, i0, i1, j0, j1))] if partial else []
+                keep = [(0, pieces.get(mask_mod, grids, i0, i1, j0, j1, q.dtype))] if partial else []
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
                 p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
                                   offset=neg_lse[:, :, i0:i1].reshape(NK, G * bq, 1), out=scores,

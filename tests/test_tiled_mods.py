@@ -173,7 +173,31 @@ def test_the_mask_mod_runs_only_on_partial_blocks(device):
     partial = [(qi * 4, kj * 4) for qi, row in enumerate(bm.kinds.tolist()) for kj, kind in enumerate(row) if kind == 1]
     blocks = [(i0, j0) for i0, j0, nq, nk in evaluated]
     assert all(nq == 4 and nk == 4 for *_, nq, nk in evaluated)
-    assert sorted(blocks) == sorted(partial * 2)  # forward and backward, partial blocks only
+    assert sorted(blocks) == sorted(partial)  # partial blocks only, once: the backward reuses them
+    evaluated.clear()
+    again = tiled_attention(q, k, v, block_mask=bm, block_q=4, block_k=4)
+    again.sum().backward()
+    assert evaluated == []  # a block mask keeps its partial blocks: no block evaluates the mod again
+
+
+def test_a_block_mask_keeps_its_pieces_per_dtype_and_batch_within_its_budget(monkeypatch):
+    bm = create_block_mask(mods.sliding_window(9), None, None, 32, 32, block_q=4, block_k=4)
+    q, k, v = _qkv(L=32, S=32)
+    reference = tiled_attention(q, k, v, mask_mod=bm.mask_mod, block_q=4, block_k=4)  # a block mask of its own
+    assert torch.equal(tiled_attention(q, k, v, block_mask=bm), reference)
+    first = len(bm._pieces.pieces)
+    assert first == bm.counts()["partial"]
+    assert torch.equal(tiled_attention(q, k, v, block_mask=bm), reference)  # from the kept pieces
+    assert len(bm._pieces.pieces) == first
+    tiled_attention(q.float(), k.float(), v.float(), block_mask=bm)  # another dtype: pieces of its own
+    assert len(bm._pieces.pieces) == 2 * first
+    tiled_attention(q[:1, :1], k[:1, :1], v[:1, :1], block_mask=bm)  # other grids (batch 1, 1 head)
+    assert len(bm._pieces.pieces) == 3 * first
+    small = create_block_mask(mods.sliding_window(9), None, None, 32, 32, block_q=4, block_k=4)
+    monkeypatch.setattr(tiled, "_PIECE_CACHE_BYTES", 3 * 4 * 4 * 8)  # room for three float64 pieces
+    assert torch.equal(tiled_attention(q, k, v, block_mask=small), reference)
+    assert len(small._pieces.pieces) == 3 and small._pieces.nbytes == 3 * 128
+    assert torch.equal(tiled_attention(q, k, v, block_mask=small), reference)  # the rest evaluated again
 
 
 # --- block masks ------------------------------------------------------------------------------
