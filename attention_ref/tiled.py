@@ -59,7 +59,9 @@ Shapes use the package legend (``B``, ``H``, ``L``, ``S``, ``E``, ``Ev``).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +71,8 @@ from attention_ref import _inputs, mods
 from attention_ref._validation import check_positive_int, fmt_shape
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "BlockMask", "create_block_mask", "tiled_attention"]
+__all__ = ["ADAPT_THREADS", "DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "BlockMask", "create_block_mask", "fitting_threads",
+           "tiled_attention"]
 
 #: Queries per block. Tuned for CPU throughput (``benchmarks/attention_bench.py --tune``).
 DEFAULT_BLOCK_Q = 256
@@ -88,6 +91,69 @@ _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 _SPAN_KEYS = 512
 #: How many bytes of partial-block masks (as additive biases) a `BlockMask` keeps for later calls.
 _PIECE_CACHE_BYTES = 64 * 2**20
+#: Whether a tiled call on CPU runs on fewer intra-op threads while other processes keep cores
+#: busy (read from Linux's /proc; elsewhere the threads stay as they are). The path issues many
+#: small parallel operations per block, and each waits for its slowest thread: a thread that
+#: shares its core with another process stalls every one of them (benchmarks/block_mask_bench.py
+#: measured the tiled path 2.0x faster on one thread than on two with one of two cores busy).
+ADAPT_THREADS = True
+#: Calls with fewer (query, key) pairs than this keep their threads (the check costs ~0.1 ms).
+_ADAPT_MIN_PAIRS = 2**22
+
+
+def _others_running() -> int:
+    """Runnable tasks of other processes right now: /proc/loadavg's count minus this process's running threads."""
+    with open("/proc/loadavg") as f:
+        running = int(f.read().split()[3].split("/")[0])
+    own = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        own += stat[stat.rindex(")") + 2] == "R"  # the state follows the command name
+    return max(running - own, 0)
+
+
+def fitting_threads() -> int | None:
+    """The intra-op threads a tiled call should use now, or ``None`` to keep ``torch.get_num_threads()``.
+
+    ``torch.get_num_threads()`` minus the cores other processes keep busy (the least
+    of three readings, so a passing task does not count), at least 1; ``None`` when
+    nothing is busy, when `ADAPT_THREADS` is False, or where ``/proc`` cannot tell.
+    """
+    if not ADAPT_THREADS:
+        return None
+    try:
+        busy = min(_others_running() for _ in range(3))
+        cores = len(os.sched_getaffinity(0))
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux, or /proc unreadable
+        return None
+    threads = torch.get_num_threads()
+    fitting = max(1, min(threads, cores - busy))
+    return fitting if fitting < threads else None
+
+
+@contextlib.contextmanager
+def _threads_for(pairs: int, device: torch.device):
+    """Run the body on `fitting_threads` intra-op threads (restored after) when the call is large enough."""
+    threads = fitting_threads() if device.type == "cpu" and pairs >= _ADAPT_MIN_PAIRS else None
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _pairs(q: torch.Tensor, k: torch.Tensor) -> int:
+    """(query, key) pairs of a call on `_TiledAttention`'s layouts: q (NK, G, L, E), k (NK, S, E)."""
+    NK, G, L, _ = q.shape
+    return NK * G * L * k.shape[-2]
 
 
 class _PieceCache:
@@ -575,7 +641,8 @@ def _tiled(
         v = value.to(compute).expand(*batch, S, Ev).reshape(N, S, Ev)
     mods_ = (score_mod, mask_mod, kinds, pieces)
     # (N * Hkv, G, L, Ev) and (N * Hkv, G, L, 1), the log-sum-exp in natural-log units
-    out, lse = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)
+    with _threads_for(_pairs(q, k), q.device):  # fewer threads while other processes keep cores busy
+        out, lse = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)
     out, lse = out.reshape(*batch, L, Ev), lse.reshape(*batch, L)  # -> (..., L, Ev), (N * Hkv, G, L, 1) -> (..., L)
     if sinks is not None:  # once, over all keys: sink-free blocks merged first, then the sink
         out, lse = add_sinks(out, lse, sinks)
@@ -833,6 +900,12 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the blockwise backward is not itself differentiable
     def backward(ctx, d_out, d_lse):  # type: ignore[override]
+        q, k = ctx.saved_tensors[:2]
+        with _threads_for(_pairs(q, k), q.device):  # as the forward, on the threads that fit now
+            return _TiledAttention._backward(ctx, d_out, d_lse)
+
+    @staticmethod
+    def _backward(ctx, d_out, d_lse):
         q, k, v, out, lse, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
         is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, pieces, grids = ctx.options

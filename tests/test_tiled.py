@@ -352,3 +352,85 @@ def test_the_recorder_sees_the_math_paths_score_matrix(device):
     # The same check fails on the reference path: it is not vacuous.
     shapes = _record(lambda q, k, v, m: scaled_dot_product_attention(q, k, v, m, is_causal=True), device)
     assert [s for _, s in shapes if s[-2:] == (96, 80) and math.prod(s) >= 2 * 96 * 80]
+
+
+# --- threads chosen per call -------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_fitting_threads_leaves_the_cores_other_processes_keep_busy(monkeypatch, two_threads):
+    from attention_ref import tiled
+
+    monkeypatch.setattr(tiled.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(tiled, "_others_running", lambda: 1)
+    assert tiled.fitting_threads() == 1
+    monkeypatch.setattr(tiled, "_others_running", lambda: 5)
+    assert tiled.fitting_threads() == 1  # never fewer than one
+    monkeypatch.setattr(tiled, "_others_running", lambda: 0)
+    assert tiled.fitting_threads() is None  # nothing busy: threads as they are
+    readings = iter([1, 0, 1])
+    monkeypatch.setattr(tiled, "_others_running", lambda: next(readings))
+    assert tiled.fitting_threads() is None  # a task that passed by in one reading of three does not count
+    monkeypatch.setattr(tiled, "_others_running", lambda: 1)
+    monkeypatch.setattr(tiled, "ADAPT_THREADS", False)
+    assert tiled.fitting_threads() is None
+
+    def unreadable():
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(tiled, "ADAPT_THREADS", True)
+    monkeypatch.setattr(tiled, "_others_running", unreadable)
+    assert tiled.fitting_threads() is None
+
+
+def test_a_large_call_runs_forward_and_backward_on_the_fitting_threads(monkeypatch, two_threads):
+    from attention_ref import tiled
+
+    monkeypatch.setattr(tiled.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(tiled, "_others_running", lambda: 1)
+    seen = []
+
+    def spy(score, b, h, q_idx, kv_idx):  # runs inside the forward and the backward passes
+        seen.append(torch.get_num_threads())
+        return score
+
+    n = 2048  # 2048 x 2048 pairs = _ADAPT_MIN_PAIRS
+    q, k, v = (torch.randn(1, 1, n, 8).requires_grad_() for _ in range(3))
+    out = tiled_attention(q, k, v, score_mod=spy, block_q=1024, block_k=1024)
+    forward = len(seen)
+    out.sum().backward()
+    assert seen[0] == 2  # the check of the mod's output, before the pass
+    assert forward > 1 and len(seen) > forward and set(seen[1:]) == {1}
+    assert torch.get_num_threads() == 2  # restored after each pass
+    seen.clear()
+    small = [t[..., : n // 2, :] for t in (q, k, v)]
+    tiled_attention(*small, score_mod=spy, block_q=1024, block_k=1024)
+    assert set(seen) == {2}  # a small call keeps its threads: the check would cost more than it saves
+    monkeypatch.setattr(tiled, "_others_running", lambda: 0)
+    seen.clear()
+    tiled_attention(q, k, v, score_mod=spy, block_q=1024, block_k=1024)
+    assert set(seen) == {2}
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/loadavg"), reason="reads Linux's /proc")
+def test_others_running_counts_a_busy_process():
+    import subprocess
+    import sys
+    import time
+
+    from attention_ref import tiled
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert max(tiled._others_running() for _ in range(5)) >= 1
+    finally:
+        busy.kill()
+        busy.wait()
