@@ -242,4 +242,6 @@ def test_the_benchmark_runs_and_writes_its_json(tmp_path):
     assert set(run["forward"]["ratios"]) >= {"public_block_mask_speed_vs_tiled_attention"}
     assert run["forward"]["max_abs_diff_vs_tiled"] == 0.0
     assert set(run["contention"]["times"]) == {"quiet", "one_core_busy"}
+    assert set(run["contention"]["times"]["one_core_busy"]) == {"tiled", "tiled_all_threads", "sdpa", "tiled_1_thread"}
+    assert set(run["contention"]["fitting_threads_before_timing"]) == {"quiet", "one_core_busy"}
     assert "git_commit" in run["provenance"] and run["provenance"]["command"].startswith("python benchmarks/")
