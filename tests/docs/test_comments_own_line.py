@@ -10,30 +10,20 @@ found with ``tokenize``, so a ``#`` inside a string is not one.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import re
-import sys
 import tokenize
 from pathlib import Path
 
 import pytest
+from test_shown_code import (
+    fences,  # the one fence parser (docs/hooks/fences.py), loaded there
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRAGMA = re.compile(r"#\s*(noqa\b|type:|pragma:)")
 
 
-def _fences():
-    name = "attention_ref_docs_fences"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / "fences.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fences = _fences()
 PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "tutorial").glob("*.md"))
 
 

@@ -13,27 +13,17 @@ with `ast`, and each call to ``to_svg`` or ``head_grid_html`` (``to_svg(...)``,
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from test_shown_code import (
+    fences,  # the one fence parser (docs/hooks/fences.py), loaded there
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 FIGURE_FUNCTIONS = {"to_svg", "head_grid_html"}
 
-def _fences():
-    name = "attention_ref_docs_fences"  # the module name conftest.py and the other tests use
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DOCS / "hooks" / "fences.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fences = _fences()
 
 
 def _called_name(call: ast.Call) -> str | None:
