@@ -272,6 +272,30 @@ def test_ssd_quadratic_equals_recurrence_and_mamba2_scan():
     torch.testing.assert_close(state_kv_to_vk(state), h_m2, **TIGHT)
 
 
+@pytest.mark.parametrize("mode", ["quadratic", "recurrent"])
+def test_ssd_packed_sequences_equal_each_alone(mode):
+    """cu_seqlens: no state, decay or skip term crosses a boundary; each sequence's own entry and final state."""
+    gen = torch.Generator().manual_seed(5)
+    length, heads, groups, P, N = 12, 4, 2, 3, 5
+    cu = torch.tensor([0, 3, 4, 12])  # three sequences, one of a single token
+    x = torch.randn(1, length, heads, P, generator=gen, dtype=F64)
+    dt = torch.rand(1, length, heads, generator=gen, dtype=F64)
+    A = -torch.rand(heads, generator=gen, dtype=F64) * 2
+    B_, C_ = (torch.randn(1, length, groups, N, generator=gen, dtype=F64) for _ in range(2))
+    D = torch.randn(heads, generator=gen, dtype=F64)
+    h0 = torch.randn(3, heads, N, P, generator=gen, dtype=F64)  # one entry state per sequence
+    y, states = ssd(x, dt, A, B_, C_, D=D, initial_state=h0, output_final_state=True, mode=mode, cu_seqlens=cu)
+    assert states.shape == (3, heads, N, P)
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        part = slice(start, end)
+        alone, state = ssd(x[:, part], dt[:, part], A, B_[:, part], C_[:, part], D=D, initial_state=h0[n:n + 1],
+                           output_final_state=True, mode=mode)
+        torch.testing.assert_close(y[:, part], alone, **TIGHT)
+        torch.testing.assert_close(states[n:n + 1], state, **TIGHT)
+    whole, _ = ssd(x, dt, A, B_, C_, D=D, initial_state=h0[:1], mode=mode)  # unpacked: the state crosses
+    assert not torch.allclose(whole[:, 3:], y[:, 3:])
+
+
 def test_state_layout_converters_round_trip():
     s = torch.randn(3, 6, 5, 7, dtype=F64)  # (B, Hv, E, Ev)
     vk = state_kv_to_vk(s)
