@@ -101,10 +101,14 @@ ADAPT_THREADS = True
 _ADAPT_MIN_PAIRS = 2**22
 
 
-def _others_running() -> int:
-    """Runnable tasks of other processes right now: /proc/loadavg's count minus this process's running threads."""
+def _runnable() -> int:
+    """Runnable tasks of the whole machine right now (the count before the slash in /proc/loadavg)."""
     with open("/proc/loadavg") as f:
-        running = int(f.read().split()[3].split("/")[0])
+        return int(f.read().split()[3].split("/")[0])
+
+
+def _own_running() -> int:
+    """This process's threads that are running or runnable (state ``R`` in /proc/self/task/*/stat)."""
     own = 0
     for task in os.listdir("/proc/self/task"):
         try:
@@ -113,20 +117,26 @@ def _others_running() -> int:
         except OSError:  # the thread ended meanwhile
             continue
         own += stat[stat.rindex(")") + 2] == "R"  # the state follows the command name
-    return max(running - own, 0)
+    return own
+
+
+def _others_running() -> int:
+    """Runnable tasks of other processes right now: the machine's least of three readings minus this process's."""
+    return max(min(_runnable() for _ in range(3)) - _own_running(), 0)
 
 
 def fitting_threads() -> int | None:
     """The intra-op threads a tiled call should use now, or ``None`` to keep ``torch.get_num_threads()``.
 
-    ``torch.get_num_threads()`` minus the cores other processes keep busy (the least
-    of three readings, so a passing task does not count), at least 1; ``None`` when
-    nothing is busy, when `ADAPT_THREADS` is False, or where ``/proc`` cannot tell.
+    ``torch.get_num_threads()`` minus the cores other processes keep busy (the
+    machine's runnable tasks, least of three readings so a passing task does not
+    count, minus this process's own), at least 1; ``None`` when nothing is busy,
+    when `ADAPT_THREADS` is False, or where ``/proc`` cannot tell.
     """
     if not ADAPT_THREADS:
         return None
     try:
-        busy = min(_others_running() for _ in range(3))
+        busy = _others_running()
         cores = len(os.sched_getaffinity(0))
     except (OSError, ValueError, IndexError, AttributeError):  # not Linux, or /proc unreadable
         return None

@@ -375,9 +375,14 @@ def test_fitting_threads_leaves_the_cores_other_processes_keep_busy(monkeypatch,
     assert tiled.fitting_threads() == 1  # never fewer than one
     monkeypatch.setattr(tiled, "_others_running", lambda: 0)
     assert tiled.fitting_threads() is None  # nothing busy: threads as they are
-    readings = iter([1, 0, 1])
-    monkeypatch.setattr(tiled, "_others_running", lambda: next(readings))
+    monkeypatch.undo()
+    monkeypatch.setattr(tiled.os, "sched_getaffinity", lambda pid: {0, 1})
+    readings = iter([3, 2, 3])  # the machine's runnable tasks; this process runs 2 of them
+    monkeypatch.setattr(tiled, "_runnable", lambda: next(readings))
+    monkeypatch.setattr(tiled, "_own_running", lambda: 2)
     assert tiled.fitting_threads() is None  # a task that passed by in one reading of three does not count
+    readings = iter([3, 3, 3])
+    assert tiled.fitting_threads() == 1
     monkeypatch.setattr(tiled, "_others_running", lambda: 1)
     monkeypatch.setattr(tiled, "ADAPT_THREADS", False)
     assert tiled.fitting_threads() is None
