@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +172,23 @@ def score_blocks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
 
     monkeypatch.setattr(tiled, "_scores_block", recording)
     return calls
+
+
+@pytest.fixture(scope="module")
+def bench(request: pytest.FixtureRequest):
+    """The script ``benchmarks/<BENCHMARK>.py`` loaded as a module, ``BENCHMARK`` set by the test module.
+
+    The scripts are files, not a package. The module is registered in ``sys.modules`` while
+    it loads and is used (dataclasses look their module up while a class is made) and
+    removed after the test module.
+    """
+    name = request.module.BENCHMARK
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]

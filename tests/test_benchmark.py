@@ -12,20 +12,17 @@ and the summary against the kernel's targets, printed last.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
 import signal
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
 # Toy sizes: B = tokens // L = 2, H = 2, L = 48, D = 64 (the custom preset's default D).
 TINY = ["--preset", "custom", "--device", "cpu", "--lengths", "48", "--heads", "2", "--tokens", "96",
         "--no-progress"]
@@ -33,16 +30,7 @@ TINY = ["--preset", "custom", "--device", "cpu", "--lengths", "48", "--heads", "
 INDUCTOR_IMPORT = "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("attention_bench", ROOT / "benchmarks" / "attention_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+BENCHMARK = "attention_bench"  # the `bench` fixture (tests/conftest.py) loads benchmarks/attention_bench.py
 
 
 def test_gpu_grid_is_the_flash_attention_grid(bench):

@@ -226,16 +226,13 @@ def test_described_bands_are_classified_from_their_corners_exactly():
             assert calls  # the hidden mod was evaluated, the described one was not
 
 
-def test_the_benchmark_runs_and_writes_its_json(tmp_path):
-    """A smoke run of benchmarks/block_mask_bench.py at tiny sizes (the real run takes minutes)."""
-    import importlib.util
-    import json
-    from pathlib import Path
+BENCHMARK = "block_mask_bench"  # the `bench` fixture (tests/conftest.py) loads benchmarks/block_mask_bench.py
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_mask_bench.py"
-    spec = importlib.util.spec_from_file_location("block_mask_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+
+def test_the_benchmark_runs_and_writes_its_json(bench, tmp_path):
+    """A smoke run of benchmarks/block_mask_bench.py at tiny sizes (the real run takes minutes)."""
+    import json
+
     assert bench.main(["--reps", "1", "--length", "256", "--contention-length", "64", "--out", str(tmp_path)]) == 0
     (written,) = tmp_path.glob("block-mask-*.json")
     run = json.loads(written.read_text())

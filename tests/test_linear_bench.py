@@ -8,28 +8,11 @@ the gated delta rule give the same output.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("linear_bench", ROOT / "benchmarks" / "linear_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+BENCHMARK = "linear_bench"  # the `bench` fixture (tests/conftest.py) loads benchmarks/linear_bench.py
 
 
 def test_crossover_interpolates_on_the_log_log_scale(bench):
