@@ -404,6 +404,13 @@ def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scal
     return out, (torch.cat(finals, dim=0) if output_final_state else None)
 
 
+def _run_delta(mode, chunk_size, *args):
+    """`_run` with the delta rule's form for ``mode``: the token loop, or the chunks of ``chunk_size``."""
+    if mode == "recurrent":
+        return _run(_delta_rule_recurrent, *args)
+    return _run(_delta_rule_chunked, *args, chunk_size=chunk_size)
+
+
 def _prepare_delta(name_g, q, k, v, g, beta, g_shape, g_layout, initial_state, mode, chunk_size, cu_seqlens,
                    scale):
     B, L, _, Hv, E, Ev = _check_qkv(q, k, v)
@@ -503,11 +510,8 @@ def gated_delta_rule(
         "g", q, k, v, g, beta, lambda B, L, Hv, E: (B, L, Hv), "(B, L, Hv)", initial_state, mode, chunk_size,
         cu_seqlens, scale)
     g = g[..., None]  # (B, L, Hv) -> (B, L, Hv, 1): one decay for all key channels
-    if mode == "recurrent":
-        return _run(_delta_rule_recurrent, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
-                    use_qk_l2norm)
-    return _run(_delta_rule_chunked, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
-                use_qk_l2norm, chunk_size=chunk_size)
+    return _run_delta(mode, chunk_size, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
+                      use_qk_l2norm)
 
 
 def kimi_delta_attention(
@@ -573,11 +577,8 @@ def kimi_delta_attention(
     g, beta, initial_state, bounds = _prepare_delta(
         "g", q, k, v, g, beta, lambda B, L, Hv, E: (B, L, Hv, E), "(B, L, Hv, E)", initial_state, mode,
         chunk_size, cu_seqlens, scale)
-    if mode == "recurrent":
-        return _run(_delta_rule_recurrent, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
-                    use_qk_l2norm)
-    return _run(_delta_rule_chunked, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
-                use_qk_l2norm, chunk_size=chunk_size)
+    return _run_delta(mode, chunk_size, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
+                      use_qk_l2norm)
 
 
 def _gated_linear_recurrent(q, k, v, g, state):
