@@ -50,7 +50,7 @@ from attention_ref import mods
 from attention_ref._validation import check_positive_int, fmt_shape, require_tensor
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
-from attention_ref.tiled import BlockMask, _block_mask_mod
+from attention_ref.tiled import BlockMask, _made_by
 
 __all__ = ["KVCache", "PagedKVCache", "attention_with_kv_cache", "kv_cache_mask_mod"]
 
@@ -159,14 +159,8 @@ def _block_mask_for(
     block_mask: object, cache_seqlens: torch.Tensor, num_queries: int, is_causal: bool, B: int
 ) -> mods.MaskMod:
     """The mod of a ``block_mask`` made from `kv_cache_mask_mod` with this call's arguments."""
-    mask_mod = _block_mask_mod(None, block_mask)  # TypeError unless a BlockMask
-    made = getattr(mask_mod, "_attention_ref_kv_cache", None)
-    if made is None:
-        raise ValueError(
-            "block_mask must be made from kv_cache_mask_mod(cache_seqlens, Lq, is_causal=...), "
-            "got a block mask of another mask_mod"
-        )
-    seqlens, lq, causal = made
+    mask_mod, (seqlens, lq, causal) = _made_by(block_mask, "_attention_ref_kv_cache",
+                                               "kv_cache_mask_mod(cache_seqlens, Lq, is_causal=...)")
     if not torch.equal(seqlens.to(device=cache_seqlens.device, dtype=cache_seqlens.dtype), cache_seqlens):
         raise ValueError(
             f"block_mask was made for cache_seqlens={seqlens.tolist()}, this call has "

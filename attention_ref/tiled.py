@@ -446,6 +446,20 @@ def _block_mask_mod(mask_mod: mods.MaskMod | None, block_mask: object) -> mods.M
     return block_mask.mask_mod
 
 
+def _made_by(block_mask: object, attribute: str, maker: str) -> tuple[mods.MaskMod, tuple]:
+    """The mod of ``block_mask`` and the arguments ``maker`` recorded on it as ``attribute``.
+
+    Raises:
+        TypeError: ``block_mask`` is not a `BlockMask`.
+        ValueError: its mod was not made by ``maker``.
+    """
+    mask_mod = _block_mask_mod(None, block_mask)  # TypeError unless a BlockMask
+    made = getattr(mask_mod, attribute, None)
+    if made is None:
+        raise ValueError(f"block_mask must be made from {maker}, got a block mask of another mask_mod")
+    return mask_mod, made
+
+
 def _check_block_mask(
     block_mask: BlockMask,
     mask_mod: mods.MaskMod | None,

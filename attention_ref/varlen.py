@@ -55,7 +55,7 @@ from attention_ref._validation import (
 )
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
-from attention_ref.tiled import BlockMask, _block_mask_mod
+from attention_ref.tiled import BlockMask, _made_by
 
 __all__ = ["cu_seqlens_from_lengths", "pack", "unpack", "varlen_attention", "varlen_mask_mod"]
 
@@ -308,13 +308,8 @@ def _mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.M
 
 def _block_mask_for(block_mask: object, cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.MaskMod:
     """The mod of a ``block_mask`` made from ``varlen_mask_mod`` with this call's lengths and ``is_causal``."""
-    mask_mod = _block_mask_mod(None, block_mask)  # TypeError unless a BlockMask
-    made = getattr(mask_mod, "_attention_ref_varlen", None)
-    if made is None:
-        raise ValueError(
-            "block_mask must be made from varlen_mask_mod(cu_seqlens_q, cu_seqlens_k, is_causal=...), "
-            "got a block mask of another mask_mod"
-        )
+    mask_mod, made = _made_by(block_mask, "_attention_ref_varlen",
+                              "varlen_mask_mod(cu_seqlens_q, cu_seqlens_k, is_causal=...)")
     for name, want, got in (("cu_seqlens_q", cu_q, made[0]), ("cu_seqlens_k", cu_k, made[1])):
         if not torch.equal(got.to(want.device), want):
             raise ValueError(

@@ -168,6 +168,12 @@ def test_varlen_and_kv_cache_take_a_block_mask():
     with pytest.raises(ValueError, match=r"block_mask was made for cache_seqlens=\[5, 9\], this call has "
                                          r"cache_seqlens=\[6, 9\]"):
         attention_with_kv_cache(qc, kc, vc, torch.tensor([6, 9]), is_causal=True, block_mask=bm)
+    other_mod = create_block_mask(mods.causal(), None, None, 2, 9, block_q=2, block_k=4)
+    with pytest.raises(ValueError, match=r"block_mask must be made from kv_cache_mask_mod\(cache_seqlens, Lq, "
+                                         r"is_causal=\.\.\.\), got a block mask of another mask_mod"):
+        attention_with_kv_cache(qc, kc, vc, seqlens, is_causal=True, block_mask=other_mod)
+    with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.tiled.BlockMask, got str"):
+        attention_with_kv_cache(qc, kc, vc, seqlens, is_causal=True, block_mask="causal")
 
 
 def test_a_block_mask_made_for_another_call_raises_with_both_values():
