@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from attention_bench import _load, provenance  # noqa: E402
-from block_sparse_bench import _say, _time  # noqa: E402  (cases timed in turns, as there)
+from block_sparse_bench import _say, _time, _write_dated  # noqa: E402  (cases timed in turns, as there)
 
 from attention_ref import mods, scaled_dot_product_attention, tiled  # noqa: E402
 from attention_ref.backends import TILED_MODS_BLOCK_K, TILED_MODS_BLOCK_Q  # noqa: E402
@@ -230,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"fitting threads (before timing): {ct['fitting_threads_before_timing']}; tiled with them vs all threads "
          f"under load: {ct['tiled_speedup_from_fitting_threads_under_load']:.2f}x")
     record["load_after"] = _load()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"block-mask-{record['provenance']['date'][:10]}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    _say(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    _write_dated(Path(args.out), "block-mask", record)
     return 0
 
 

@@ -66,6 +66,15 @@ def _time(cases: dict[str, Callable[[], object]], reps: int, warmup: int = 1) ->
             for name, t in times.items()}
 
 
+def _write_dated(out: Path, stem: str, record: dict) -> Path:
+    """Write ``record`` as ``<out>/<stem>-<date of its provenance>.json`` and say where."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{record['provenance']['date'][:10]}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    _say(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return path
+
+
 def _say(*args: object) -> None:
     print(*args, flush=True)
 
@@ -213,11 +222,8 @@ def main() -> int:
     _say("\nauto rule (forward, median):")
     record["auto_rule"] = auto_rule(args.reps, [int(x) for x in args.lengths.split(",")])
     record["load_after"] = _load()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"block-sparse-{record['provenance']['date'][:10]}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    _say(f"\nwrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    _say("")
+    _write_dated(Path(args.out), "block-sparse", record)
     return 0
 
 
