@@ -426,7 +426,10 @@ def results() -> dict[str, dict[str, object]]:
     # On a GPU most of the time is compiling kernel variants (1-3 s each, on the CPU): the
     # cases are split over several children that compile side by side. Under the
     # interpreter one child, so the rest of a parallel test run keeps its cores.
-    shards = int(os.environ.get("ATTENTION_REF_TRITON_TEST_WORKERS", min(8, os.cpu_count() or 1) if CUDA else 1))
+    given = os.environ.get("ATTENTION_REF_TRITON_TEST_WORKERS", str(min(8, os.cpu_count() or 1) if CUDA else 1))
+    if not given.isdigit() or int(given) < 1:
+        pytest.fail(f"ATTENTION_REF_TRITON_TEST_WORKERS must be a whole number >= 1, got {given!r}")
+    shards = int(given)
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", device, str(shard), str(shards)],
