@@ -189,10 +189,9 @@ FIGURE_CAPTIONS = """() => [...document.querySelectorAll('article svg.ar-figure'
 })"""
 
 
-@pytest.mark.parametrize("source", [s for s in SOURCES if s.startswith("tutorial/")
-                                    and (shows_figure(s) or shows_head_grid(s))])
-def test_tutorial_figures_have_captions(page, site_url: str, built_site: Path, source: str):
-    """Every figure of a tutorial page sits in a figure with a centred caption that says what to look at."""
+@pytest.mark.parametrize("source", [s for s in SOURCES if shows_figure(s) or shows_head_grid(s)])
+def test_figures_have_captions(page, site_url: str, built_site: Path, source: str):
+    """Every figure of every page sits in a figure with a centred caption that says what to look at."""
     built_page(built_site, source)
     page.goto(site_url + page_path(source))
     page.wait_for_load_state("networkidle")
@@ -226,9 +225,9 @@ HEAD_GRIDS = """() => {
 }"""
 
 
-@pytest.mark.parametrize("source", [s for s in SOURCES if s.startswith("tutorial/") and shows_head_grid(s)])
+@pytest.mark.parametrize("source", [s for s in SOURCES if shows_head_grid(s)])
 @pytest.mark.parametrize("width", [390, 1280])
-def test_tutorial_head_grids_show_two_heads_per_row_on_a_phone(browser, site_url: str, built_site: Path,
+def test_head_grids_show_two_heads_per_row_on_a_phone(browser, site_url: str, built_site: Path,
                                                                source: str, width: int):
     """A per-head grid shows its N heads per row on a wide screen and 2 per row at 390 px, where
     every head's text still renders at 9 px or more; each head is named for screen readers."""
