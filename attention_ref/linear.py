@@ -87,6 +87,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from itertools import pairwise
 
 import torch
@@ -215,20 +216,42 @@ def _segment_sum(g: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~below.logical_or(torch.eye(T, dtype=torch.bool, device=g.device)), float("-inf"))
 
 
-def _decayed_scores(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, *, diagonal: bool) -> torch.Tensor:
-    """``sum_e a_ie b_je exp(gamma_ie - gamma_je)`` for ``j <= i`` (``j < i`` without ``diagonal``), 0 above.
+def _decay(gamma: torch.Tensor) -> torch.Tensor:
+    """``exp(gamma_i - gamma_j)`` for ``j <= i``, 0 above: ``(..., C, 1 or E)`` -> ``(..., C, C, 1 or E)``.
 
-    ``a``, ``b``: ``(..., C, E)``; ``gamma``: ``(..., C, 1)`` for a scalar gate (the
-    decay ``D_ij`` of the chunked form then multiplies the plain scores) or
-    ``(..., C, E)`` for a per-channel one (Kimi Delta Attention).
+    The decay between two tokens of a chunk, from the cumulative log decays ``gamma``;
+    the difference is taken before ``exp`` (never ``exp(gamma_i) / exp(gamma_j)``, which
+    overflows over long chunks of strong decay), and ``-inf`` above the diagonal gives 0.
     """
-    C = a.shape[-2]
-    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(0 if diagonal else -1)
+    C = gamma.shape[-2]
+    above = torch.ones(C, C, dtype=torch.bool, device=gamma.device).triu(1)[:, :, None]  # (C, C, 1)
     diff = gamma[..., :, None, :] - gamma[..., None, :, :]  # (..., C, C, 1 or E)
-    decay = diff.masked_fill(~keep[:, :, None], float("-inf")).exp()  # 0 where not kept, never inf
-    if gamma.shape[-1] == 1:
-        return (a @ b.transpose(-1, -2)) * decay[..., 0]  # (..., C, E) x (..., E, C) -> (..., C, C)
-    return (a[..., :, None, :] * b[..., None, :, :] * decay).sum(-1)  # (..., C, C, E) -> (..., C, C)
+    return diff.masked_fill_(above, float("-inf")).exp_()  # in place on its own diff (autograd allows it)
+
+
+def _tracks_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records operations on any of ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _scaled(x: torch.Tensor, factor: torch.Tensor, own: bool) -> torch.Tensor:
+    """``x * factor``, written over ``x`` when ``own``: ``x`` is a tensor the caller made and
+    no longer needs, and no gradient is recorded (`_tracks_grad`). The same numbers either
+    way; in place saves a fresh tensor, which on CPU costs about as much as the product."""
+    return x.mul_(factor) if own else x * factor
+
+
+def _decayed_scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``sum_e a_ie b_je decay_ije``: ``(..., C, E)`` twice and `_decay`'s ``(..., C, C, 1 or E)`` -> ``(..., C, C)``.
+
+    For a scalar gate the decay ``D_ij`` multiplies the plain scores; for a per-channel
+    one (Kimi Delta Attention) it weighs each channel's product. ``out``: a `_Scratch`
+    tensor to write the result into, or None for a new one.
+    """
+    if decay.shape[-1] == 1:  # (..., C, E) x (..., E, C) -> (..., C, C)
+        return _scaled(torch.matmul(a, b.transpose(-1, -2), out=out), decay[..., 0], out is not None)
+    return torch.sum(a[..., :, None, :] * b[..., None, :, :] * decay, dim=-1, out=out)  # (..., C, C, E) -> (..., C, C)
 
 
 # --- the two forms of the delta rule, on (B, Hv, L, .) tensors -----------------------------------
@@ -256,28 +279,37 @@ def _delta_rule_recurrent(q, k, v, g, beta, state):
     return out, state
 
 
+_SPAN_ELEMENTS = 2**18
+"""About how many elements of one input (``B * Hv * tokens * E``) `_run` prepares at once for
+the recurrence and the chunked form: 4 MiB in float32, so that the span's tensors come from
+the allocator's reuse, not fresh pages (see `_run`)."""
+
 _BLOCK_ELEMENTS = 2**19
 """How many decay factors ``exp(Gamma_i - Gamma_j)`` (``C * C`` per chunk and head for a
 scalar gate, ``C * C * E`` per channel) `_delta_rule_chunked` builds at once: a bound on
 the memory of the chunks prepared together."""
 
 
-def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
-    """The inverse of unit lower-triangular ``(..., C, C)`` matrices, by doubling blocks.
+def _span_tokens(B: int, Hv: int, width: int) -> int:
+    """Tokens per span of `_run`: `_SPAN_ELEMENTS` over ``B * Hv * width``, at least one."""
+    return max(1, _SPAN_ELEMENTS // (B * Hv * width))
 
-    ``[[A11, 0], [A21, A22]]^-1 = [[T11, 0], [-T22 A21 T11, T22]]`` with ``T = A^-1`` of
-    the diagonal blocks: from blocks of 1 (``T = 1``) to blocks of ``C`` in ``log2(C)``
-    rounds of batched matmuls (``C`` is padded to a power of two with an identity block).
-    The same numbers as forward substitution (``torch.linalg.solve_triangular``) up to
-    rounding, with one Python round per doubling, not per row, and without the solve's
-    copies to column-major layout: on CPU the two solves per chunk took about a third of
-    the chunked form's time (benchmarks/linear_bench.py), the inverse a few percent.
+
+def _unit_lower_inverse(N: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``I + strictly_lower(N)`` for ``(..., C, C)`` matrices ``N``, by doubling blocks.
+
+    Only the part of ``N`` below the diagonal is read. ``[[A11, 0], [A21, A22]]^-1 =
+    [[T11, 0], [-T22 A21 T11, T22]]`` with ``T = A^-1`` of the diagonal blocks: from blocks
+    of 1 (``T = 1``) to blocks of ``C`` in ``log2(C)`` rounds of batched matmuls (``C`` is
+    padded to a power of two: zeros below the diagonal, an identity block). The same numbers
+    as forward substitution (``torch.linalg.solve_triangular``) up to rounding, with one
+    Python round per doubling, not per row, and without the solve's copies to column-major
+    layout: on CPU the two solves per chunk took about a third of the chunked form's time
+    (benchmarks/linear_bench.py), the inverse a few percent.
     """
-    C = A.shape[-1]
+    C = N.shape[-1]
     n = 1 << max(C - 1, 0).bit_length()  # the next power of two
-    if n != C:  # [[A, 0], [0, I]]: its inverse is [[A^-1, 0], [0, I]]
-        A = torch.nn.functional.pad(A, (0, n - C, 0, n - C))
-        A = A + torch.diag(torch.cat([A.new_zeros(C), A.new_ones(n - C)]))
+    A = torch.nn.functional.pad(N, (0, n - C, 0, n - C)) if n != C else N  # (..., n, n)
     T = A.new_ones(*A.shape[:-2], n, 1, 1)  # (..., n / b, b, b): inverses of the diagonal blocks, b = 1
     b = 1
     while b < n:
@@ -292,63 +324,80 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return T[..., 0, :C, :C]  # (..., C, C)
 
 
-def _chunk_systems(q, k, v, g, beta):
+def _chunk_systems(q, k, v, g, beta, memory=None):
     """The part of the chunked form that does not depend on the entry state, for many chunks at once.
 
     q, k: ``(..., C, E)``; v: ``(..., C, Ev)``; g: ``(..., C, 1 or E)`` log decay; beta:
-    ``(..., C)``; ``...`` may hold a chunk axis. Returns, each with the same leading dims:
+    ``(..., C)``; ``...`` may hold a chunk axis. ``memory``: a `_Scratch` to take the
+    results from; when it is enabled (no gradient recorded), ``q`` and ``k`` are the
+    caller's own copies and are overwritten. Returns, each with the same leading dims:
     ``U = A^-1 (beta V)`` ``(..., C, Ev)``; ``W = A^-1 (beta K exp(Gamma))`` ``(..., C, E)``;
     ``Q exp(Gamma)`` ``(..., C, E)``; the decayed scores ``Q K^T * D`` ``(..., C, C)``;
     ``K exp(Gamma_C - Gamma)`` ``(..., C, E)``; ``exp(Gamma_C)`` ``(..., 1, 1 or E)``.
     """
-    C = k.shape[-2]
+    memory = memory or _Scratch(False)
+    own = memory.enabled
+    C, E, Ev = k.shape[-2], k.shape[-1], v.shape[-1]
+    lead = tuple(k.shape[:-2])
     gamma = g.cumsum(dim=-2)  # (..., C, 1 or E): log decay from the chunk's entry to token i
     decay_in = gamma.exp()  # (..., C, 1 or E)
     beta = beta[..., None]  # (..., C, 1)
-    # the UT system: A = I + strictly_lower(diag(beta) K K^T * D), unit lower-triangular
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    A_inv = _unit_lower_inverse(eye + beta * _decayed_scores(k, k, gamma, diagonal=False))  # (..., C, C)
-    A_beta = A_inv * beta.transpose(-1, -2)  # (..., C, C): A^-1 diag(beta), columns scaled
-    U = A_beta @ v  # (..., C, C) x (..., C, Ev) -> (..., C, Ev)
+    decay = _decay(gamma)  # (..., C, C, 1 or E)
+    scores = _decayed_scores(q, k, decay, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
+    # the UT system: A = I + strictly_lower(diag(beta) K K^T * D); the inverse reads only that part
+    kk = _scaled(_decayed_scores(k, k, decay, memory.get("kk", (*lead, C, C), q)), beta, own)  # (..., C, C)
+    A_beta = _scaled(_unit_lower_inverse(kk), beta.transpose(-1, -2), own)  # A^-1 diag(beta): columns scaled
+    U = torch.matmul(A_beta, v, out=memory.get("U", (*lead, C, Ev), q))  # (..., C, C) x (..., C, Ev)
     if gamma.shape[-1] == 1:  # a scalar gate folds into the columns too: A^-1 diag(beta exp(Gamma)) K
-        W = (A_beta * decay_in.transpose(-1, -2)) @ k  # (..., C, C) x (..., C, E) -> (..., C, E)
+        A_beta = _scaled(A_beta, decay_in.transpose(-1, -2), own)
     else:
-        W = A_beta @ (k * decay_in)  # (..., C, C) x (..., C, E) -> (..., C, E)
-    scores = _decayed_scores(q, k, gamma, diagonal=True)  # (..., C, C)
+        k_in = k * decay_in  # (..., C, E)
+    W = torch.matmul(A_beta, k if gamma.shape[-1] == 1 else k_in,
+                     out=memory.get("W", (*lead, C, E), q))  # (..., C, C) x (..., C, E) -> (..., C, E)
     gamma_last = gamma[..., -1:, :]  # (..., 1, 1 or E): the whole chunk's log decay
-    k_out = k * (gamma_last - gamma).exp()  # (..., C, E): each write's decay to the chunk's end
-    return U, W, q * decay_in, scores, k_out, gamma_last.exp()
+    k_out = _scaled(k, (gamma_last - gamma).exp_(), own)  # (..., C, E): each write's decay to the chunk's end
+    return U, W, _scaled(q, decay_in, own), scores, k_out, gamma_last.exp()
 
 
-def _delta_rule_chunked(q, k, v, g, beta, state, chunk_size):
+def _delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scratch=None):
     """The chunked (WY/UT) form: equal to `_delta_rule_recurrent`, with matmuls inside each chunk.
 
-    Same arguments (``beta`` required); the last chunk is shorter when ``L`` is not a
-    multiple of ``chunk_size`` (no padding), so no chunk reads past the sequence. What
-    does not depend on the state (the UT system, its inverse, the decayed scores) is
-    computed for several chunks at once (`_chunk_systems`, at most `_BLOCK_ELEMENTS` decay
-    factors at a time); only the state's pass from chunk to chunk loops.
+    Same arguments (``beta`` required; ``q``, ``k``, ``v``, ``g``, ``beta`` contiguous, and
+    the caller's own to overwrite when ``scratch``, a `_Scratch`, is enabled); the last chunk
+    is shorter when ``L`` is not a multiple of ``chunk_size`` (no padding), so no chunk reads
+    past the sequence. What does not depend on the state (the UT system, its inverse, the
+    decayed scores) is computed for all the chunks at once (`_chunk_systems`; `_run_delta`
+    bounds how many tokens come in one call); only the state's pass from chunk to chunk loops.
     """
-    B, Hv, L, _ = q.shape
+    memory = scratch or _Scratch(False)
+    B, Hv, L, E = q.shape
+    Ev = v.shape[-1]
     C = chunk_size
     full = L // C  # whole chunks; a shorter one follows when C does not divide L
-    at_once = max(1, _BLOCK_ELEMENTS // (B * Hv * C * C * g.shape[-1]))
-    blocks = [(first * C, min(at_once, full - first), C) for first in range(0, full, at_once)]
+    blocks = [(0, full, C)] if full else []
     if L % C:
         blocks.append((full * C, 1, L % C))
+    state = state.reshape(B * Hv, E, Ev)  # (B, Hv, E, Ev) -> (B Hv, E, Ev): baddbmm takes 3 dims
+    out = memory.get("out", (B * Hv, L, Ev), v)  # (B Hv, L, Ev), or None: the chunks' outputs concatenated
     outs = []
+    states = [memory.get(f"state{i}", (B * Hv, E, Ev), v) for i in range(2)]  # turns for the state, or Nones
+    decayed = memory.get("decayed", (B * Hv, E, Ev), v)
     for start, n, size in blocks:
-        span = slice(start, start + n * size)
-        # (B, Hv, n * C, .) -> (n, B, Hv, C, .): each chunk contiguous
-        parts = (x[:, :, span].unflatten(2, (n, size)).movedim(2, 0).contiguous() for x in (q, k, v, g, beta))
-        for U, W, q_in, scores, k_out, decay in zip(*(x.unbind(0) for x in _chunk_systems(*parts))):
-            v_new = U - W @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): what is written
-            inter = q_in @ state  # (B, Hv, C, E) x (B, Hv, E, Ev) -> (B, Hv, C, Ev): the entry state's share
-            outs.append(inter + scores @ v_new)  # (B, Hv, C, C) x (B, Hv, C, Ev) -> (B, Hv, C, Ev)
-            state = (decay.transpose(-1, -2) * state  # rows of (B, Hv, E, Ev) decay
-                     + k_out.transpose(-1, -2) @ v_new)  # (B, Hv, E, C) x (B, Hv, C, Ev)
-    out = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)  # (B, Hv, L, Ev)
-    return out, state
+        # (B, Hv, n * C, .) -> (B Hv, n, C, .): a view, each chunk's rows contiguous
+        parts = (x[:, :, start:start + n * size].reshape(B * Hv, n, size, *x.shape[3:]) for x in (q, k, v, g, beta))
+        systems = (x.unbind(1) for x in _chunk_systems(*parts, memory=memory))  # n chunks of (B Hv, C, .) each
+        for c, (U, W, q_in, scores, k_out, decay) in enumerate(zip(*systems)):
+            v_new = torch.baddbmm(U, W, state, alpha=-1)  # U - W S: (B Hv, C, E) x (B Hv, E, Ev) -> (B Hv, C, Ev)
+            inter = q_in @ state  # (B Hv, C, E) x (B Hv, E, Ev) -> (B Hv, C, Ev): the entry state's share
+            outs.append(torch.baddbmm(inter, scores, v_new))  # + (B Hv, C, C) x (B Hv, C, Ev) -> (B Hv, C, Ev)
+            if out is not None:  # into the reused output, not a list to concatenate
+                out[:, start + c * size:start + (c + 1) * size] = outs.pop()
+            target = states[1] if state is states[0] else states[0]  # the turn not holding the state, or None
+            state = torch.baddbmm(torch.mul(decay.transpose(-1, -2), state, out=decayed),  # rows of (B Hv, E, Ev)
+                                  k_out.transpose(-1, -2), v_new, out=target)  # + (B Hv, E, C) x (B Hv, C, Ev)
+    if out is None:
+        out = torch.cat(outs, dim=1) if outs else v.new_zeros(B * Hv, L, Ev)  # (B Hv, L, Ev)
+    return out.view(B, Hv, L, Ev), state.view(B, Hv, E, Ev)  # (B Hv, .) -> (B, Hv, .)
 
 
 def _gated_linear_quadratic(q, k, v, g, state):
@@ -370,45 +419,105 @@ def _gated_linear_quadratic(q, k, v, g, state):
 # --- dispatch: layouts, heads, dtypes, packed sequences ------------------------------------------
 
 
-def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scale, use_qk_l2norm, **kw):
+class _Scratch:
+    """Tensors that `_run` and `_delta_rule_chunked` reuse from one span to the next.
+
+    On CPU a fresh tensor of a few hundred KiB or more is often fresh pages from the kernel:
+    glibc gives freed memory back and faults it in again on the next span, which cost more
+    than the arithmetic (about 40 000 page faults and 70 ms of system time per call at the
+    benchmark's 8192 tokens, benchmarks/linear_bench.py). Only where no gradient is recorded
+    (`_tracks_grad`), since autograd keeps the results it needs: otherwise `get` returns None
+    and each operation allocates its result as usual, the same numbers either way.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
+        """A ``shape`` tensor of ``like``'s dtype and device, the same memory on every call with
+        ``name`` (grown when a larger one is asked for); None when disabled."""
+        if not self.enabled:
+            return None
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[name] = like.new_empty(numel)
+        return buffer[:numel].view(shape)
+
+
+def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scale, use_qk_l2norm, *, block=None,
+         scratch=False, **kw):
     """Bring the public ``(B, L, H, .)`` tensors to ``(B, Hv, L, .)`` in the compute dtype, run
     ``form`` per sequence (``bounds`` from ``cu_seqlens``, or the whole batch) and bring the
-    output back."""
+    output back.
+
+    With ``block`` (tokens), each sequence goes to ``form`` in spans of ``block`` tokens, the
+    state carried from one to the next (which the recurrence and the chunked form allow,
+    ``block`` a multiple of the chunk size): the inputs are converted, normalised and laid out
+    a span at a time, and each span's output written into the one output tensor. On CPU,
+    tensors of the whole sequence (32 MiB each at the benchmark's 8192 tokens) are fresh
+    pages from the kernel on every call, which cost more than the arithmetic on them. With
+    ``scratch``, the span's tensors are reused too (`_Scratch`, passed on to ``form``).
+    """
     B, L, H, E = q.shape
     Hv, Ev = v.shape[2], v.shape[3]
     out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)
-    q, k, v = (x.to(dtype) for x in (q, k, v))
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q = q * (E**-0.5 if scale is None else scale)
     group = Hv // H
-    if group > 1:  # repeat_interleave copies even for a group of 1
-        q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))  # (B, L, H, E) -> (B, L, Hv, E)
-    q, k, v, g = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g))  # (B, L, Hv, .) -> (B, Hv, L, .)
-    beta = None if beta is None else beta.transpose(1, 2).to(dtype)  # (B, L, Hv) -> (B, Hv, L)
+    scale = E**-0.5 if scale is None else scale
+    memory = _Scratch(scratch and not _tracks_grad(q, k, v, g, beta, initial_state))
+    if scratch:
+        kw["scratch"] = memory
+    like = q.new_empty(0, dtype=dtype)  # the compute dtype and device, for new tensors
+
+    def laid_out(name: str, x: torch.Tensor) -> torch.Tensor:
+        """``(B, n, heads, .)`` -> a copy ``(B, heads, n, .)``, contiguous, in the compute dtype."""
+        shape = (x.shape[0], x.shape[2], x.shape[1], *x.shape[3:])
+        target = memory.get(name, shape, like)
+        if target is None:
+            target = like.new_empty(shape)
+        return target.copy_(x.transpose(1, 2))  # always a copy: later written in place
+
+    def span(lo: int, hi: int) -> list[torch.Tensor | None]:
+        """Tokens ``lo:hi`` of each input, ``(B, Hv, hi - lo, .)`` in the compute dtype."""
+        qs, ks, vs, gs = (laid_out(name, x[:, lo:hi]) for name, x in zip("qkvg", (q, k, v, g)))
+        if use_qk_l2norm:
+            qs, ks = (_l2_normalize(x, memory.enabled, square=memory.get("square", x.shape, like)) for x in (qs, ks))
+        qs = _scaled(qs, scale, memory.enabled)
+        if group > 1:  # repeat_interleave copies even for a group of 1
+            qs, ks = (x.repeat_interleave(group, dim=1) for x in (qs, ks))  # (B, H, n, E) -> (B, Hv, n, E)
+        return [qs, ks, vs, gs] + ([] if beta is None else [laid_out("beta", beta[:, lo:hi])])
+
     if bounds is None:
         bounds, batch_states = [0, L], [initial_state]
     else:
         batch_states = [None if initial_state is None else initial_state[n:n + 1] for n in range(len(bounds) - 1)]
-    outs, finals = [], []
+    out = v.new_empty(B, L, Hv, Ev, dtype=out_dtype)  # (B, L, Hv, Ev), filled span by span
+    finals = []
     for n, state in enumerate(batch_states):
-        seq = slice(bounds[n], bounds[n + 1])
-        rows = B if len(batch_states) == 1 else 1
-        state = q.new_zeros(rows, Hv, E, Ev) if state is None else state.to(dtype)  # (B or 1, Hv, E, Ev)
-        out, state = form(q[:, :, seq], k[:, :, seq], v[:, :, seq], g[:, :, seq],
-                          *(() if beta is None else (beta[:, :, seq],)), state, **kw)
-        outs.append(out)
-        finals.append(state)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, Hv, L, Ev)
-    out = out.transpose(1, 2).to(out_dtype)  # (B, Hv, L, Ev) -> (B, L, Hv, Ev)
+        state = q.new_zeros(B if len(batch_states) == 1 else 1, Hv, E, Ev, dtype=dtype) if state is None \
+            else state.to(dtype)  # (B or 1, Hv, E, Ev)
+        first, last = bounds[n], bounds[n + 1]
+        step = max(last - first, 1) if block is None else block
+        for lo in range(first, last, step):
+            hi = min(lo + step, last)
+            o, state = form(*span(lo, hi), state, **kw)  # o: (B, Hv, hi - lo, Ev)
+            out[:, lo:hi] = o.transpose(1, 2)  # (B, Hv, n, Ev) -> (B, n, Hv, Ev), cast to v's dtype
+        finals.append(state.clone() if memory.enabled else state)  # the next sequence reuses the scratch
     return out, (torch.cat(finals, dim=0) if output_final_state else None)
 
 
 def _run_delta(mode, chunk_size, *args):
-    """`_run` with the delta rule's form for ``mode``: the token loop, or the chunks of ``chunk_size``."""
+    """`_run` with the delta rule's form for ``mode``: the token loop, or the chunks of ``chunk_size``,
+    a span of `_span_tokens` at a time."""
+    q, v, g = args[0], args[2], args[3]  # (B, L, H, E), (B, L, Hv, Ev), (B, L, Hv, 1 or E)
+    B, Hv = v.shape[0], v.shape[2]
     if mode == "recurrent":
-        return _run(_delta_rule_recurrent, *args)
-    return _run(_delta_rule_chunked, *args, chunk_size=chunk_size)
+        return _run(_delta_rule_recurrent, *args, block=_span_tokens(B, Hv, max(q.shape[-1], v.shape[-1])))
+    C = chunk_size
+    chunks = _span_tokens(B, Hv, max(q.shape[-1], v.shape[-1])) // C  # whole chunks per span ...
+    chunks = max(1, min(chunks, _BLOCK_ELEMENTS // (B * Hv * C * C * g.shape[-1])))  # ... and decay factors
+    return _run(_delta_rule_chunked, *args, chunk_size=C, block=chunks * C, scratch=True)
 
 
 def _prepare_delta(name_g, q, k, v, g, beta, g_shape, g_layout, initial_state, mode, chunk_size, cu_seqlens,
@@ -831,7 +940,15 @@ def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
         >>> l2_normalize(torch.tensor([3.0, 4.0]), eps=0.0).tolist() == [0.6000000238418579, 0.800000011920929]
         True
     """
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return _l2_normalize(x, False, eps)
+
+
+def _l2_normalize(x: torch.Tensor, own: bool, eps: float = L2NORM_EPS, square: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """`l2_normalize`, dividing ``x`` in place when ``own`` (as in `_scaled`); ``square``:
+    a `_Scratch` tensor like ``x`` for ``x * x``, or None for a new one."""
+    length = torch.sqrt(torch.mul(x, x, out=square).sum(dim=-1, keepdim=True) + eps)  # (..., 1)
+    return x.div_(length) if own else x / length
 
 
 def state_kv_to_vk(state: torch.Tensor) -> torch.Tensor:
