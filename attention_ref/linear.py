@@ -241,6 +241,12 @@ def _scaled(x: torch.Tensor, factor: torch.Tensor, own: bool) -> torch.Tensor:
     return x.mul_(factor) if own else x * factor
 
 
+def _added_product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, own: bool, alpha: float = 1.0
+                   ) -> torch.Tensor:
+    """``x + alpha a @ b`` for batches of matrices, added into ``x`` when ``own`` (as in `_scaled`)."""
+    return x.baddbmm_(a, b, alpha=alpha) if own else torch.baddbmm(x, a, b, alpha=alpha)
+
+
 def _decayed_scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, out: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """``sum_e a_ie b_je decay_ije``: ``(..., C, E)`` twice and `_decay`'s ``(..., C, C, 1 or E)`` -> ``(..., C, C)``.
@@ -257,12 +263,12 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, out: 
 # --- the two forms of the delta rule, on (B, Hv, L, .) tensors -----------------------------------
 
 
-def _delta_rule_recurrent(q, k, v, g, beta, state):
+def _delta_rule_recurrent(q, k, v, g, beta, state, out):
     """The token-by-token loop.
 
     q, k: ``(B, Hv, L, E)``; v: ``(B, Hv, L, Ev)``; g: ``(B, Hv, L, 1 or E)`` log decay;
     beta: ``(B, Hv, L)`` or None (no delta term: gated linear attention);
-    state: ``(B, Hv, E, Ev)``. Returns ``(out (B, Hv, L, Ev), state)``.
+    state: ``(B, Hv, E, Ev)``; out: ``(B, Hv, L, Ev)``, filled. Returns the state after the last token.
     """
     outs = []
     for t in range(q.shape[2]):
@@ -275,13 +281,14 @@ def _delta_rule_recurrent(q, k, v, g, beta, state):
             u_t = beta[:, :, t, None] * (v_t - predicted)  # delta rule: write the error, step beta
         state = state + k_t[..., :, None] * u_t[..., None, :]  # outer product (B, Hv, E, 1) x (B, Hv, 1, Ev)
         outs.append((q_t[:, :, None, :] @ state)[:, :, 0])  # (B, Hv, 1, E) x (B, Hv, E, Ev): the UPDATED state
-    out = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)  # (B, Hv, L, Ev)
-    return out, state
+    if outs:
+        out.copy_(torch.stack(outs, dim=2))  # L x (B, Hv, Ev) -> (B, Hv, L, Ev)
+    return state
 
 
 _SPAN_ELEMENTS = 2**18
 """About how many elements of one input (``B * Hv * tokens * E``) `_run` prepares at once for
-the recurrence and the chunked form: 4 MiB in float32, so that the span's tensors come from
+the recurrence and the chunked form: 1 MiB in float32, so that the span's tensors come from
 the allocator's reuse, not fresh pages (see `_run`)."""
 
 _BLOCK_ELEMENTS = 2**19
@@ -293,35 +300,6 @@ the memory of the chunks prepared together."""
 def _span_tokens(B: int, Hv: int, width: int) -> int:
     """Tokens per span of `_run`: `_SPAN_ELEMENTS` over ``B * Hv * width``, at least one."""
     return max(1, _SPAN_ELEMENTS // (B * Hv * width))
-
-
-def _unit_lower_inverse(N: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``I + strictly_lower(N)`` for ``(..., C, C)`` matrices ``N``, by doubling blocks.
-
-    Only the part of ``N`` below the diagonal is read. ``[[A11, 0], [A21, A22]]^-1 =
-    [[T11, 0], [-T22 A21 T11, T22]]`` with ``T = A^-1`` of the diagonal blocks: from blocks
-    of 1 (``T = 1``) to blocks of ``C`` in ``log2(C)`` rounds of batched matmuls (``C`` is
-    padded to a power of two: zeros below the diagonal, an identity block). The same numbers
-    as forward substitution (``torch.linalg.solve_triangular``) up to rounding, with one
-    Python round per doubling, not per row, and without the solve's copies to column-major
-    layout: on CPU the two solves per chunk took about a third of the chunked form's time
-    (benchmarks/linear_bench.py), the inverse a few percent.
-    """
-    C = N.shape[-1]
-    n = 1 << max(C - 1, 0).bit_length()  # the next power of two
-    A = torch.nn.functional.pad(N, (0, n - C, 0, n - C)) if n != C else N  # (..., n, n)
-    T = A.new_ones(*A.shape[:-2], n, 1, 1)  # (..., n / b, b, b): inverses of the diagonal blocks, b = 1
-    b = 1
-    while b < n:
-        m = n // (2 * b)  # pairs of blocks
-        pairs = A.unflatten(-1, (m, 2 * b)).unflatten(-3, (m, 2 * b))  # (..., m, 2b, m, 2b)
-        diag = pairs.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # (..., m, 2b, 2b): diagonal blocks of 2b
-        T1, T2 = T.unflatten(-3, (m, 2)).unbind(-3)  # (..., m, b, b) each: upper-left, lower-right
-        X = -(T2 @ diag[..., b:, :b] @ T1)  # (..., m, b, b) x (..., m, b, b) x (..., m, b, b)
-        T = torch.cat([torch.cat([T1, torch.zeros_like(T1)], dim=-1),
-                       torch.cat([X, T2], dim=-1)], dim=-2)  # (..., m, 2b, 2b)
-        b *= 2
-    return T[..., 0, :C, :C]  # (..., C, C)
 
 
 def _chunk_systems(q, k, v, g, beta, memory=None):
@@ -346,7 +324,11 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
     scores = _decayed_scores(q, k, decay, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
     # the UT system: A = I + strictly_lower(diag(beta) K K^T * D); the inverse reads only that part
     kk = _scaled(_decayed_scores(k, k, decay, memory.get("kk", (*lead, C, C), q)), beta, own)  # (..., C, C)
-    A_beta = _scaled(_unit_lower_inverse(kk), beta.transpose(-1, -2), own)  # A^-1 diag(beta): columns scaled
+    # forward substitution against I, differentiable: the whole chunked call ran 2-8% faster on CPU
+    # with it than with an inverse by doubling blocks in batched matmuls (log2(C) rounds)
+    eye = torch.eye(C, dtype=kk.dtype, device=kk.device).expand_as(kk)  # (..., C, C)
+    A_inv = torch.linalg.solve_triangular(kk, eye, upper=False, unitriangular=True)  # reads kk below the diagonal
+    A_beta = _scaled(A_inv, beta.transpose(-1, -2), own)  # A^-1 diag(beta): columns scaled
     U = torch.matmul(A_beta, v, out=memory.get("U", (*lead, C, Ev), q))  # (..., C, C) x (..., C, Ev)
     if gamma.shape[-1] == 1:  # a scalar gate folds into the columns too: A^-1 diag(beta exp(Gamma)) K
         A_beta = _scaled(A_beta, decay_in.transpose(-1, -2), own)
@@ -359,7 +341,7 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
     return U, W, _scaled(q, decay_in, own), scores, k_out, gamma_last.exp()
 
 
-def _delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scratch=None):
+def _delta_rule_chunked(q, k, v, g, beta, state, out, chunk_size, scratch=None):
     """The chunked (WY/UT) form: equal to `_delta_rule_recurrent`, with matmuls inside each chunk.
 
     Same arguments (``beta`` required; ``q``, ``k``, ``v``, ``g``, ``beta`` contiguous, and
@@ -378,42 +360,39 @@ def _delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scratch=None):
     if L % C:
         blocks.append((full * C, 1, L % C))
     state = state.reshape(B * Hv, E, Ev)  # (B, Hv, E, Ev) -> (B Hv, E, Ev): baddbmm takes 3 dims
-    out = memory.get("out", (B * Hv, L, Ev), v)  # (B Hv, L, Ev), or None: the chunks' outputs concatenated
-    outs = []
     states = [memory.get(f"state{i}", (B * Hv, E, Ev), v) for i in range(2)]  # turns for the state, or Nones
-    decayed = memory.get("decayed", (B * Hv, E, Ev), v)
     for start, n, size in blocks:
         # (B, Hv, n * C, .) -> (B Hv, n, C, .): a view, each chunk's rows contiguous
         parts = (x[:, :, start:start + n * size].reshape(B * Hv, n, size, *x.shape[3:]) for x in (q, k, v, g, beta))
         systems = (x.unbind(1) for x in _chunk_systems(*parts, memory=memory))  # n chunks of (B Hv, C, .) each
+        chunk = (B * Hv, size, Ev)
         for c, (U, W, q_in, scores, k_out, decay) in enumerate(zip(*systems)):
-            v_new = torch.baddbmm(U, W, state, alpha=-1)  # U - W S: (B Hv, C, E) x (B Hv, E, Ev) -> (B Hv, C, Ev)
-            inter = q_in @ state  # (B Hv, C, E) x (B Hv, E, Ev) -> (B Hv, C, Ev): the entry state's share
-            outs.append(torch.baddbmm(inter, scores, v_new))  # + (B Hv, C, C) x (B Hv, C, Ev) -> (B Hv, C, Ev)
-            if out is not None:  # into the reused output, not a list to concatenate
-                out[:, start + c * size:start + (c + 1) * size] = outs.pop()
-            target = states[1] if state is states[0] else states[0]  # the turn not holding the state, or None
-            state = torch.baddbmm(torch.mul(decay.transpose(-1, -2), state, out=decayed),  # rows of (B Hv, E, Ev)
-                                  k_out.transpose(-1, -2), v_new, out=target)  # + (B Hv, E, C) x (B Hv, C, Ev)
-    if out is None:
-        out = torch.cat(outs, dim=1) if outs else v.new_zeros(B * Hv, L, Ev)  # (B Hv, L, Ev)
-    return out.view(B, Hv, L, Ev), state.view(B, Hv, E, Ev)  # (B Hv, .) -> (B, Hv, .)
+            v_new = _added_product(U, W, state, memory.enabled, alpha=-1)  # U - W S: (B Hv, C, E) x (B Hv, E, Ev)
+            o = torch.bmm(q_in, state, out=memory.get("o", chunk, v))  # (B Hv, C, E) x (B Hv, E, Ev): the entry state's share
+            o = _added_product(o, scores, v_new, memory.enabled)  # + (B Hv, C, C) x (B Hv, C, Ev) -> (B Hv, C, Ev)
+            out[:, :, start + c * size:start + (c + 1) * size] = o.view(B, Hv, size, Ev)  # (B Hv, .) -> (B, Hv, .)
+            target = states[0]  # the turn not holding the state (or None)
+            if target is not None and state.data_ptr() == target.data_ptr():
+                target = states[1]
+            state = torch.mul(decay.transpose(-1, -2), state, out=target)  # rows of (B Hv, E, Ev) decay
+            state = _added_product(state, k_out.transpose(-1, -2), v_new, memory.enabled)  # + (B Hv, E, C) x (B Hv, C, Ev)
+    return state.view(B, Hv, E, Ev)  # (B Hv, E, Ev) -> (B, Hv, E, Ev)
 
 
-def _gated_linear_quadratic(q, k, v, g, state):
-    """``(L * Q K^T) V`` with ``L_ij = exp(g_{j+1} + ... + g_i)``, plus the entry state's share.
+def _gated_linear_quadratic(q, k, v, g, state, out):
+    """``(L * Q K^T) V`` with ``L_ij = exp(g_{j+1} + ... + g_i)``, plus the entry state's share, into ``out``.
 
-    q, k: ``(B, Hv, L, E)``; v: ``(B, Hv, L, Ev)``; g: ``(B, Hv, L)``; state ``(B, Hv, E, Ev)``.
+    q, k: ``(B, Hv, L, E)``; v: ``(B, Hv, L, Ev)``; g: ``(B, Hv, L)``; state ``(B, Hv, E, Ev)``;
+    out: ``(B, Hv, L, Ev)``. Returns the state after the last token.
     """
     decay = _segment_sum(g).exp()  # (B, Hv, L, L), lower-triangular, 1 on the diagonal
     scores = (q @ k.transpose(-1, -2)) * decay  # (B, Hv, L, E) x (B, Hv, E, L) -> (B, Hv, L, L)
     gamma = g.cumsum(dim=-1)[..., None]  # (B, Hv, L, 1): log decay from the start to token i
-    out = scores @ v + (q * gamma.exp()) @ state  # (B, Hv, L, L) x (B, Hv, L, Ev) + (B, Hv, L, E) x (E, Ev)
+    out.copy_(scores @ v + (q * gamma.exp()) @ state)  # (B, Hv, L, L) x (B, Hv, L, Ev) + (B, Hv, L, E) x (E, Ev)
     if q.shape[2] == 0:
-        return out, state
+        return state
     to_end = decay[:, :, -1, :, None]  # (B, Hv, L, 1): exp(g_{j+1} + ... + g_L), decay of token j's write
-    state = gamma[:, :, -1:].exp() * state + (k * to_end).transpose(-1, -2) @ v  # (B, Hv, E, L) x (B, Hv, L, Ev)
-    return out, state
+    return gamma[:, :, -1:].exp() * state + (k * to_end).transpose(-1, -2) @ v  # (B, Hv, E, L) x (B, Hv, L, Ev)
 
 
 # --- dispatch: layouts, heads, dtypes, packed sequences ------------------------------------------
@@ -501,8 +480,8 @@ def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scal
         step = max(last - first, 1) if block is None else block
         for lo in range(first, last, step):
             hi = min(lo + step, last)
-            o, state = form(*span(lo, hi), state, **kw)  # o: (B, Hv, hi - lo, Ev)
-            out[:, lo:hi] = o.transpose(1, 2)  # (B, Hv, n, Ev) -> (B, n, Hv, Ev), cast to v's dtype
+            # the form writes its output into the span's (B, n, Hv, Ev) -> (B, Hv, n, Ev) view, cast to v's dtype
+            state = form(*span(lo, hi), state, out[:, lo:hi].transpose(1, 2), **kw)
         finals.append(state.clone() if memory.enabled else state)  # the next sequence reuses the scratch
     return out, (torch.cat(finals, dim=0) if output_final_state else None)
 
@@ -690,12 +669,12 @@ def kimi_delta_attention(
                       use_qk_l2norm)
 
 
-def _gated_linear_recurrent(q, k, v, g, state):
-    return _delta_rule_recurrent(q, k, v, g, None, state)  # no beta: no delta term
+def _gated_linear_recurrent(q, k, v, g, state, out):
+    return _delta_rule_recurrent(q, k, v, g, None, state, out)  # no beta: no delta term
 
 
-def _quadratic_form(q, k, v, g, state):
-    return _gated_linear_quadratic(q, k, v, g[..., 0], state)  # g: (B, Hv, L, 1) -> (B, Hv, L)
+def _quadratic_form(q, k, v, g, state, out):
+    return _gated_linear_quadratic(q, k, v, g[..., 0], state, out)  # g: (B, Hv, L, 1) -> (B, Hv, L)
 
 
 def gated_linear_attention(
