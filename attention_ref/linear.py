@@ -360,7 +360,7 @@ def _delta_rule_chunked(q, k, v, g, beta, state, out, chunk_size, scratch=None):
     if L % C:
         blocks.append((full * C, 1, L % C))
     state = state.reshape(B * Hv, E, Ev)  # (B, Hv, E, Ev) -> (B Hv, E, Ev): baddbmm takes 3 dims
-    states = [memory.get(f"state{i}", (B * Hv, E, Ev), v) for i in range(2)]  # turns for the state, or Nones
+    kept = memory.get("state", (B * Hv, E, Ev), v)  # or None
     for start, n, size in blocks:
         # (B, Hv, n * C, .) -> (B Hv, n, C, .): a view, each chunk's rows contiguous
         parts = (x[:, :, start:start + n * size].reshape(B * Hv, n, size, *x.shape[3:]) for x in (q, k, v, g, beta))
@@ -371,10 +371,7 @@ def _delta_rule_chunked(q, k, v, g, beta, state, out, chunk_size, scratch=None):
             o = torch.bmm(q_in, state, out=memory.get("o", chunk, v))  # (B Hv, C, E) x (B Hv, E, Ev): the entry state's share
             o = _added_product(o, scores, v_new, memory.enabled)  # + (B Hv, C, C) x (B Hv, C, Ev) -> (B Hv, C, Ev)
             out[:, :, start + c * size:start + (c + 1) * size] = o.view(B, Hv, size, Ev)  # (B Hv, .) -> (B, Hv, .)
-            target = states[0]  # the turn not holding the state (or None)
-            if target is not None and state.data_ptr() == target.data_ptr():
-                target = states[1]
-            state = torch.mul(decay.transpose(-1, -2), state, out=target)  # rows of (B Hv, E, Ev) decay
+            state = torch.mul(decay.transpose(-1, -2), state, out=kept)  # rows of (B Hv, E, Ev) decay, in place after the first
             state = _added_product(state, k_out.transpose(-1, -2), v_new, memory.enabled)  # + (B Hv, E, C) x (B Hv, C, Ev)
     return state.view(B, Hv, E, Ev)  # (B Hv, E, Ev) -> (B, Hv, E, Ev)
 

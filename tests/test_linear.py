@@ -12,6 +12,7 @@ from itertools import pairwise
 import pytest
 import torch
 
+import attention_ref.linear as linear
 from attention_ref.linear import (
     gated_delta_rule,
     gated_linear_attention,
@@ -172,6 +173,46 @@ def test_varlen_equals_each_sequence_alone(kind, mode):
     # without the reset, sequence 3 would start from sequence 1's state: it must differ
     run_on, _ = run(kind, dict(x, initial_state=h0[:1]), mode=mode, chunk_size=4)
     assert (run_on[:, 3:8] - packed[:, 3:8]).abs().max() > 1e-3
+
+
+# --- spans and reused tensors: how long inputs run ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("mode", ["recurrent", "chunked"])
+@pytest.mark.parametrize("chunk_size", [1, 3, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_short_spans_and_reused_tensors_give_the_one_span_numbers(kind, mode, chunk_size, packed, monkeypatch):
+    # 23 tokens; packed: sequences of 3, 0, 11 and 9 tokens. Spans of at most 4 tokens below
+    # (whole chunks for the chunked form), against one span: the test sizes fit in one by default.
+    bounds = [0, 3, 3, 14, 23]
+    x = make(kind, b=1 if packed else B, length=bounds[-1], requires_grad=True)
+    if packed:
+        x["initial_state"] = make(kind, b=len(bounds) - 1, seed=5, requires_grad=True)["initial_state"]
+    kw = dict(output_final_state=True, mode=mode, chunk_size=chunk_size,
+              cu_seqlens=torch.tensor(bounds) if packed else None)
+    assert linear._span_tokens(B, HV, max(E, EV)) >= bounds[-1]
+    want = run(kind, x, **kw)  # one span; gradients recorded, so every tensor is new
+    monkeypatch.setattr(linear, "_SPAN_ELEMENTS", 4 * B * HV * max(E, EV))
+    assert linear._span_tokens(B, HV, max(E, EV)) == 4
+    fresh = run(kind, x, **kw)  # spans of 4, new tensors
+    with torch.no_grad():
+        reused = run(kind, x, **kw)  # spans of 4, the chunked form's tensors reused and written in place
+    for got in (fresh, reused):
+        for g, w, what in zip(got, want, ("out", "final state")):
+            torch.testing.assert_close(g, w, **TIGHT, msg=lambda m, what=what: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["recurrent", "chunked"])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+@pytest.mark.parametrize("sizes", [{}, {"b": 1, "h": 1, "hv": 1}])  # one head: a transposed input is contiguous
+def test_no_input_is_written(mode, use_qk_l2norm, sizes):
+    x = make(**sizes)
+    before = {name: t.clone() for name, t in x.items()}
+    with torch.no_grad():  # where the chunked form writes its own tensors in place
+        run("gdn", x, mode=mode, chunk_size=4, use_qk_l2norm=use_qk_l2norm, output_final_state=True)
+    for name, t in x.items():
+        assert torch.equal(t, before[name]), f"{name} was written"
 
 
 # --- the family's corners ------------------------------------------------------------------------
