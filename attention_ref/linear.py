@@ -270,20 +270,25 @@ def _delta_rule_recurrent(q, k, v, g, beta, state, out):
     beta: ``(B, Hv, L)`` or None (no delta term: gated linear attention);
     state: ``(B, Hv, E, Ev)``; out: ``(B, Hv, L, Ev)``, filled. Returns the state after the last token.
     """
+    B, Hv, L, E = q.shape
+    own = not _tracks_grad(q, k, v, g, beta, state)  # then the state is updated in place (`_scaled`)
+    state = state.reshape(B * Hv, E, -1)  # (B, Hv, E, Ev) -> (B Hv, E, Ev): baddbmm takes 3 dims
+    if own:
+        state = state.clone()  # never the caller's tensor
+    q, k, v = (x.reshape(B * Hv, L, -1) for x in (q, k, v))  # (B, Hv, L, .) -> (B Hv, L, .)
+    decay = g.exp().reshape(B * Hv, L, -1, 1)  # (B Hv, L, 1 or E, 1): every step's factor, at once
     outs = []
-    for t in range(q.shape[2]):
-        q_t, k_t, v_t = q[:, :, t], k[:, :, t], v[:, :, t]  # (B, Hv, E), (B, Hv, E), (B, Hv, Ev)
-        state = state * g[:, :, t].exp()[..., None]  # decay first: rows scaled by (B, Hv, 1 or E, 1)
-        if beta is None:
-            u_t = v_t  # linear attention writes the value itself
-        else:
-            predicted = (k_t[:, :, None, :] @ state)[:, :, 0]  # (B, Hv, 1, E) x (B, Hv, E, Ev) -> (B, Hv, Ev)
-            u_t = beta[:, :, t, None] * (v_t - predicted)  # delta rule: write the error, step beta
-        state = state + k_t[..., :, None] * u_t[..., None, :]  # outer product (B, Hv, E, 1) x (B, Hv, 1, Ev)
-        outs.append((q_t[:, :, None, :] @ state)[:, :, 0])  # (B, Hv, 1, E) x (B, Hv, E, Ev): the UPDATED state
+    for t in range(L):
+        state = _scaled(state, decay[:, t], own)  # decay first: rows of (B Hv, E, Ev) scaled
+        u_t = v[:, t, None, :]  # (B Hv, 1, Ev): linear attention writes the value itself
+        if beta is not None:
+            predicted = k[:, t, None, :] @ state  # (B Hv, 1, E) x (B Hv, E, Ev) -> (B Hv, 1, Ev)
+            u_t = beta.reshape(B * Hv, L, 1, 1)[:, t] * (u_t - predicted)  # delta rule: write the error, step beta
+        state = _added_product(state, k[:, t, :, None], u_t, own)  # outer product (B Hv, E, 1) x (B Hv, 1, Ev)
+        outs.append(q[:, t, None, :] @ state)  # (B Hv, 1, E) x (B Hv, E, Ev) -> (B Hv, 1, Ev): the UPDATED state
     if outs:
-        out.copy_(torch.stack(outs, dim=2))  # L x (B, Hv, Ev) -> (B, Hv, L, Ev)
-    return state
+        out.copy_(torch.cat(outs, dim=1).view(B, Hv, L, -1))  # L x (B Hv, 1, Ev) -> (B, Hv, L, Ev)
+    return state.view(B, Hv, E, -1)  # (B Hv, E, Ev) -> (B, Hv, E, Ev)
 
 
 _SPAN_ELEMENTS = 2**18
