@@ -12,16 +12,20 @@ Two parts, forward only, float32, batch 1, under ``torch.no_grad()``:
     ``T = 8192`` tokens, ``H = 8`` heads (``Hv = H``), ``E = Ev = 128`` (fla's ``K = V``),
     three implementations of the same layer (Gated DeltaNet, q and k L2-normalised in the
     kernel, ``scale = E ** -0.5``, random log gates ``g`` in ``[-0.1, 0]`` and ``beta`` in
-    ``[0, 1)``):
+    ``[0, 1)``), once for each number of torch threads in ``--threads`` (1 and 2 by default):
 
-    - ``chunked``: `attention_ref.linear.gated_delta_rule` with ``mode="chunked"``,
-      ``chunk_size=64``;
+    - ``chunked_<C>``: `attention_ref.linear.gated_delta_rule` with ``mode="chunked"``, for
+      each ``chunk_size`` ``C`` in ``--chunk-sizes`` (32 and 64 by default);
     - ``recurrent``: the same function with ``mode="recurrent"`` (the token loop);
     - ``transformers``: transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's PyTorch
-      fallback, ``chunk_size=64``, ``use_qk_l2norm_in_kernel=True``).
+      fallback, its ``chunk_size=64``, ``use_qk_l2norm_in_kernel=True``).
 
-    Goals (issue 22): ``recurrent / chunked >= 5`` and ``chunked / transformers <= 2``. The
-    outputs are compared too (largest absolute difference from the recurrence).
+    Goals (issue 22): ``recurrent / chunked >= 5`` and ``chunked / transformers <= 2``, judged
+    for every thread count and chunk size. The outputs are compared too (largest absolute
+    difference from the recurrence). Beside the times: the arithmetic of each form (`flops`),
+    the float32 matmul rate torch reaches on this CPU with the same threads (a 1024^3
+    product), and from them the ``ceiling``: the ratio the chunked form would reach if all its
+    arithmetic ran at that rate and nothing else cost time.
 
 ``crossover``
     For each ``L`` (256 ... 4096 by default, same ``H``, ``E``), the chunked gated delta
@@ -32,9 +36,10 @@ Two parts, forward only, float32, batch 1, under ``torch.no_grad()``:
     excluded). The crossover length, where the two times (or peaks) are equal, is
     interpolated on the log-log scale between the two measured lengths around it.
 
-Timing: torch's intra-op threads are fixed (``--threads``, recorded; 1 by default: on a shared
-two-core machine a second thread that waits for a busy core makes the recurrence's thousands of
-small operations pathologically slow, about 40x in one trial, which would flatter the ratio).
+Timing: torch's intra-op threads are fixed for each part (``--threads``, recorded; the crossover
+runs with the first of them. On a shared two-core machine a second thread that waits for a busy
+core can make the recurrence's thousands of small operations pathologically slow, about 40x in
+one trial, which would flatter the ratio: the CPU-time ratios are recorded beside the wall-clock ones).
 Each case is called once to warm it up (that call's output is the one compared) and its number
 of calls per measurement chosen so that one measurement lasts at least ``--min-time`` seconds;
 then the cases take turns (round-robin), ``--reps`` rounds, and the
@@ -70,7 +75,8 @@ from attention_ref import scaled_dot_product_attention  # noqa: E402
 from attention_ref.linear import gated_delta_rule  # noqa: E402
 
 CROSSOVER_LENGTHS = [256, 512, 1024, 2048, 4096]
-QUICK = dict(tokens=256, heads=2, head_dim=16, lengths=[32, 64, 128], reps=2, min_time=0.002)
+QUICK = dict(tokens=256, heads=2, head_dim=16, lengths=[32, 64, 128], reps=2, min_time=0.002, threads=[1],
+             chunk_sizes=[8, 16])
 RECURRENT_GOAL = 5.0
 """``recurrent / chunked`` must be at least this."""
 TRANSFORMERS_GOAL = 2.0
@@ -142,32 +148,72 @@ def _inputs(T: int, H: int, E: int, seed: int) -> dict[str, torch.Tensor]:
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
 
 
-def measure_headline(T: int, H: int, E: int, chunk_size: int, reps: int, min_time: float, seed: int) -> dict:
-    """Chunked, recurrent and transformers' chunked form at one size (see the module docstring)."""
+def flops(T: int, H: int, E: int, Ev: int, chunk_size: int | None = None) -> float:
+    """Multiplications and additions of one forward call (batch 1), recurrent or chunked.
+
+    Counted: the matrix products and the state's decay; ignored: elementwise work on ``C x C``
+    or ``T x E`` tensors (gates, norms). Per token and head, the recurrence decays the
+    ``E x Ev`` state, predicts ``k^T S``, adds ``k u^T`` and reads ``q^T S``: ``7 E Ev``. Per
+    chunk of ``C`` and head, the chunked form builds ``Q K^T`` and ``K K^T`` (``2 C^2 E``
+    each), solves the unit triangular system against ``I`` (``2 C^3 / 3``), forms
+    ``U = A^-1 V`` (``2 C^2 Ev``) and ``W = A^-1 K`` (``2 C^2 E``), then passes the state:
+    ``W S``, ``Q S`` and ``K^T V_new`` (``2 C E Ev`` each), ``scores V_new`` (``2 C^2 Ev``)
+    and the decay (``E Ev``).
+    """
+    if chunk_size is None:
+        return 7.0 * E * Ev * T * H
+    C = chunk_size
+    per_chunk = 6 * C * C * E + 4 * C * C * Ev + 2 * C**3 / 3 + 6 * C * E * Ev + E * Ev
+    return per_chunk * (T / C) * H
+
+
+def peak_matmul_gflops(min_time: float) -> float:
+    """The float32 rate of a 1024 x 1024 x 1024 product with the current threads, GFLOP/s (best of 3)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    _, calls = _warm_up(lambda: a @ b, min_time / 3)
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / calls)
+    return 2 * 1024**3 / best / 1e9
+
+
+def measure_headline(T: int, H: int, E: int, chunk_sizes: list[int], reps: int, min_time: float, seed: int) -> dict:
+    """The chunked forms, the recurrence and transformers' chunked form at one size, the current threads."""
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     x = _inputs(T, H, E, seed)
-    cases = {
-        "chunked": lambda: gated_delta_rule(**x, mode="chunked", chunk_size=chunk_size)[0],
-        "transformers": lambda: torch_chunk_gated_delta_rule(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk_size, use_qk_l2norm_in_kernel=True)[0],
-        "recurrent": lambda: gated_delta_rule(**x, mode="recurrent")[0],
-    }
+    cases = {f"chunked_{C}": (lambda C=C: gated_delta_rule(**x, mode="chunked", chunk_size=C)[0])
+             for C in chunk_sizes}
+    cases["transformers"] = lambda: torch_chunk_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, use_qk_l2norm_in_kernel=True)[0]
+    cases["recurrent"] = lambda: gated_delta_rule(**x, mode="recurrent")[0]
     with torch.no_grad():
         outs, times = time_cases(cases, reps, min_time)
+    peak = peak_matmul_gflops(min_time)
     errors = {f"{name}_vs_recurrent": float((outs[name] - outs["recurrent"]).abs().max())
-              for name in ("chunked", "transformers")}
+              for name in cases if name != "recurrent"}
     med = {name: t["median_s"] for name, t in times.items()}
-    ratios = {"recurrent_over_chunked": med["recurrent"] / med["chunked"],
-              "chunked_over_transformers": med["chunked"] / med["transformers"]}
-    cpu = {name: t["median_cpu_s"] for name, t in times.items()}
-    cpu_ratios = {"recurrent_over_chunked": cpu["recurrent"] / max(cpu["chunked"], 1e-12),
-                  "chunked_over_transformers": cpu["chunked"] / max(cpu["transformers"], 1e-12)}
-    return {"T": T, "times": times, "max_abs_diff": errors, "ratios": ratios, "cpu_time_ratios": cpu_ratios,
-            "goals": {"recurrent_over_chunked": {"goal": f">= {RECURRENT_GOAL}",
-                                                 "met": ratios["recurrent_over_chunked"] >= RECURRENT_GOAL},
-                      "chunked_over_transformers": {"goal": f"<= {TRANSFORMERS_GOAL}",
-                                                    "met": ratios["chunked_over_transformers"] <= TRANSFORMERS_GOAL}}}
+    cpu = {name: max(t["median_cpu_s"], 1e-12) for name, t in times.items()}
+    ratios, cpu_ratios, goals, ceiling = {}, {}, {}, {}
+    for C in chunk_sizes:
+        name = f"chunked_{C}"
+        ratios[name] = {"recurrent_over_chunked": med["recurrent"] / med[name],
+                        "chunked_over_transformers": med[name] / med["transformers"]}
+        cpu_ratios[name] = {"recurrent_over_chunked": cpu["recurrent"] / cpu[name],
+                            "chunked_over_transformers": cpu[name] / cpu["transformers"]}
+        goals[name] = {"recurrent_over_chunked": {"goal": f">= {RECURRENT_GOAL}",
+                                                  "met": ratios[name]["recurrent_over_chunked"] >= RECURRENT_GOAL},
+                       "chunked_over_transformers": {"goal": f"<= {TRANSFORMERS_GOAL}",
+                                                     "met": ratios[name]["chunked_over_transformers"]
+                                                     <= TRANSFORMERS_GOAL}}
+        ceiling[name] = med["recurrent"] / (flops(T, H, E, E, C) / (peak * 1e9))
+    return {"threads": torch.get_num_threads(), "times": times, "max_abs_diff": errors, "ratios": ratios,
+            "cpu_time_ratios": cpu_ratios, "goals": goals, "peak_matmul_gflops": peak, "ceiling": ceiling,
+            "gflops_achieved": {name: flops(T, H, E, E, None if name == "recurrent" else int(name.split("_")[1]))
+                                / med[name] / 1e9 for name in cases if name != "transformers"}}
 
 
 def measure_crossover_length(L: int, H: int, E: int, chunk_size: int, reps: int, min_time: float, seed: int) -> dict:
@@ -191,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="T of the headline part")
     parser.add_argument("--heads", type=int, default=8, help="H (= Hv)")
     parser.add_argument("--head-dim", type=int, default=128, help="E = Ev (fla's K = V)")
-    parser.add_argument("--chunk-size", type=int, default=64, help="tokens per chunk (both chunked forms)")
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[32, 64],
+                        help="tokens per chunk of attention_ref's chunked form in the headline")
+    parser.add_argument("--chunk-size", type=int, default=64, help="tokens per chunk in the crossover")
     parser.add_argument("--lengths", type=int, nargs="+", default=CROSSOVER_LENGTHS, help="L of the crossover")
     parser.add_argument("--reps", type=int, default=5, help="rounds per case (the median is reported)")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds per measurement, at least")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, see above)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="torch.set_num_threads for each headline run; the crossover uses the first")
     parser.add_argument("--quick", action="store_true", help="toy sizes, seconds: the smoke test")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/linear",
                         help="a directory (linear-<date>.json is written there) or a .json path")
@@ -203,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--quick" in argv:  # toy sizes by default; options given on the command line still win
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    for n in args.threads + args.chunk_sizes + [args.chunk_size]:
+        if n < 1:
+            parser.error(f"--threads and chunk sizes must be >= 1, got {n}")
+    torch.set_num_threads(args.threads[0])
     import transformers
 
     record: dict = {"provenance": provenance(torch.device("cpu"), argv), "load_before": _load()}
@@ -211,24 +263,38 @@ def main(argv: list[str] | None = None) -> int:
     record["provenance"]["transformers"] = transformers.__version__
     record["config"] = {"B": 1, "H": args.heads, "Hv": args.heads, "E": args.head_dim, "Ev": args.head_dim,
                         "dtype": "float32", "direction": "forward, torch.no_grad()", "chunk_size": args.chunk_size,
+                        "chunk_sizes": args.chunk_sizes, "transformers_chunk_size": 64,
                         "T": args.tokens, "lengths": args.lengths, "reps": args.reps, "min_time_s": args.min_time,
-                        "threads": torch.get_num_threads(), "quick": args.quick, "parts": args.parts,
+                        "threads": args.threads, "crossover_threads": args.threads[0], "quick": args.quick,
+                        "parts": args.parts,
                         "gates": "g = -0.1 * U[0, 1), beta = U[0, 1), q and k L2-normalised, scale E ** -0.5",
                         "softmax": "attention_ref.scaled_dot_product_attention, backend='math', is_causal=True"}
     if "headline" in args.parts:
-        _say(f"headline: T = {args.tokens}, H = {args.heads}, E = Ev = {args.head_dim}: chunked, transformers, "
-             f"recurrent x {args.reps} rounds (the recurrence is slow)")
-        head = measure_headline(args.tokens, args.heads, args.head_dim, args.chunk_size, args.reps, args.min_time,
-                                seed=0)
-        med = {name: t["median_s"] for name, t in head["times"].items()}
-        _say(f"    chunked {med['chunked']:.3f} s  transformers {med['transformers']:.3f} s  "
-             f"recurrent {med['recurrent']:.2f} s")
-        for name, ratio in head["ratios"].items():
-            goal = head["goals"][name]
-            _say(f"    {name}: {ratio:.2f}x (goal {goal['goal']}: {'met' if goal['met'] else 'NOT met'}); "
-                 f"in CPU time {head['cpu_time_ratios'][name]:.2f}x")
-        _say(f"    largest |difference| from the recurrence: {head['max_abs_diff']}")
-        record["headline"] = head
+        runs = []
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            _say(f"headline, {threads} thread(s): T = {args.tokens}, H = {args.heads}, E = Ev = {args.head_dim}: "
+                 f"chunked (C = {', '.join(map(str, args.chunk_sizes))}), transformers, recurrent x {args.reps} "
+                 f"rounds (the recurrence is slow)")
+            head = measure_headline(args.tokens, args.heads, args.head_dim, args.chunk_sizes, args.reps,
+                                    args.min_time, seed=0)
+            med = {name: t["median_s"] for name, t in head["times"].items()}
+            _say("    " + "  ".join(f"{name} {t:.3f} s" for name, t in med.items())
+                 + f"; matmul peak {head['peak_matmul_gflops']:.0f} GFLOP/s")
+            for name, ratios in head["ratios"].items():
+                for what, ratio in ratios.items():
+                    goal = head["goals"][name][what]
+                    _say(f"    {name} {what}: {ratio:.2f}x (goal {goal['goal']}: "
+                         f"{'met' if goal['met'] else 'NOT met'}); in CPU time "
+                         f"{head['cpu_time_ratios'][name][what]:.2f}x")
+                _say(f"    {name}: ceiling at the matmul peak {head['ceiling'][name]:.2f}x")
+            _say(f"    largest |difference| from the recurrence: {head['max_abs_diff']}")
+            runs.append(head)
+        torch.set_num_threads(args.threads[0])
+        record["headline"] = {"T": args.tokens, "runs": runs,
+                              "flops": {"recurrent": flops(args.tokens, args.heads, args.head_dim, args.head_dim),
+                                        **{f"chunked_{C}": flops(args.tokens, args.heads, args.head_dim,
+                                                                 args.head_dim, C) for C in args.chunk_sizes}}}
     if "crossover" in args.parts:
         rows = []
         for i, L in enumerate(args.lengths):

@@ -40,7 +40,7 @@ def test_quick_run_writes_consistent_results(bench, tmp_path, capsys):
     assert bench.main(["--quick", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert captured.out == "", "progress goes to stderr"
-    assert "headline: T = 256" in captured.err and "recurrent_over_chunked" in captured.err
+    assert "headline, 1 thread(s): T = 256" in captured.err and "recurrent_over_chunked" in captured.err
     assert "[1/3] crossover L = 32" in captured.err
     record = json.loads(out.read_text())
     prov = record["provenance"]
@@ -48,20 +48,33 @@ def test_quick_run_writes_consistent_results(bench, tmp_path, capsys):
         assert key in prov, key
     assert "linear_bench.py --quick" in prov["command"] and prov["device_type"] == "cpu"
     config = record["config"]
-    assert config["quick"] is True and config["threads"] == prov["torch_threads"] == 1
+    assert config["quick"] is True and config["threads"] == [prov["torch_threads"]] == [1]
     assert (config["T"], config["H"], config["E"], config["reps"]) == (256, 2, 16, 2)
+    assert config["chunk_sizes"] == [8, 16]
 
     head = record["headline"]
-    med = _check_times(head["times"], ("chunked", "transformers", "recurrent"), config["reps"])
-    assert math.isclose(head["ratios"]["recurrent_over_chunked"], med["recurrent"] / med["chunked"])
-    assert math.isclose(head["ratios"]["chunked_over_transformers"], med["chunked"] / med["transformers"])
-    cpu = {name: t["median_cpu_s"] for name, t in head["times"].items()}
-    assert math.isclose(head["cpu_time_ratios"]["recurrent_over_chunked"], cpu["recurrent"] / cpu["chunked"])
-    assert head["goals"]["recurrent_over_chunked"]["met"] == (head["ratios"]["recurrent_over_chunked"] >= 5)
-    assert head["goals"]["chunked_over_transformers"]["met"] == (head["ratios"]["chunked_over_transformers"] <= 2)
-    # the same layer three ways, float32
-    assert head["max_abs_diff"]["chunked_vs_recurrent"] < 1e-5
-    assert head["max_abs_diff"]["transformers_vs_recurrent"] < 1e-5
+    assert head["T"] == 256 and [r["threads"] for r in head["runs"]] == [1]
+    assert head["flops"]["recurrent"] == bench.flops(256, 2, 16, 16) == 7 * 16 * 16 * 256 * 2
+    (run,) = head["runs"]
+    names = ("chunked_8", "chunked_16", "transformers", "recurrent")
+    med = _check_times(run["times"], names, config["reps"])
+    cpu = {name: t["median_cpu_s"] for name, t in run["times"].items()}
+    assert run["peak_matmul_gflops"] > 0
+    for C in (8, 16):
+        name = f"chunked_{C}"
+        ratios = run["ratios"][name]
+        assert math.isclose(ratios["recurrent_over_chunked"], med["recurrent"] / med[name])
+        assert math.isclose(ratios["chunked_over_transformers"], med[name] / med["transformers"])
+        assert math.isclose(run["cpu_time_ratios"][name]["recurrent_over_chunked"], cpu["recurrent"] / cpu[name])
+        goals = run["goals"][name]
+        assert goals["recurrent_over_chunked"]["met"] == (ratios["recurrent_over_chunked"] >= 5)
+        assert goals["chunked_over_transformers"]["met"] == (ratios["chunked_over_transformers"] <= 2)
+        assert head["flops"][name] == bench.flops(256, 2, 16, 16, C)
+        at_peak = head["flops"][name] / (run["peak_matmul_gflops"] * 1e9)  # seconds, were all of it matmul
+        assert math.isclose(run["ceiling"][name], med["recurrent"] / at_peak)
+        # the same layer three ways, float32
+        assert run["max_abs_diff"][f"{name}_vs_recurrent"] < 1e-5
+    assert run["max_abs_diff"]["transformers_vs_recurrent"] < 1e-5
 
     cross = record["crossover"]
     assert [r["L"] for r in cross["rows"]] == config["lengths"] == [32, 64, 128]
@@ -75,6 +88,15 @@ def test_quick_run_writes_consistent_results(bench, tmp_path, capsys):
     peaks = {n: [r["peak_bytes"][n] for r in cross["rows"]] for n in names}
     assert cross["memory_L"] == bench.crossover(Ls, peaks["softmax_sdpa_math"], peaks["gated_delta_rule_chunked"])
     assert record["load_before"]["loadavg_1_5_15"] and record["load_after"]["loadavg_1_5_15"]
+
+
+def test_flops_count_the_forms(bench):
+    # one token, one head, E = Ev = 1: the recurrence does 7 operations; a chunk of C = 2
+    # tokens: 6*4 + 4*4 + 2*8/3 + 6*2 + 1 for the chunk, i.e. half of it per token
+    assert bench.flops(1, 1, 1, 1) == 7
+    assert math.isclose(bench.flops(2, 1, 1, 1, 2), 24 + 16 + 16 / 3 + 12 + 1)
+    # the state's pass dominates at E = Ev = 128: the chunked form does more arithmetic than the loop
+    assert bench.flops(8192, 8, 128, 128, 64) > bench.flops(8192, 8, 128, 128, 32) > bench.flops(8192, 8, 128, 128)
 
 
 def test_out_may_name_a_directory_and_parts_be_chosen(bench, tmp_path):
