@@ -277,13 +277,14 @@ def _delta_rule_recurrent(q, k, v, g, beta, state, out):
         state = state.clone()  # never the caller's tensor
     q, k, v = (x.reshape(B * Hv, L, -1) for x in (q, k, v))  # (B, Hv, L, .) -> (B Hv, L, .)
     decay = g.exp().reshape(B * Hv, L, -1, 1)  # (B Hv, L, 1 or E, 1): every step's factor, at once
+    step = None if beta is None else beta.reshape(B * Hv, L, 1, 1)  # (B, Hv, L) -> (B Hv, L, 1, 1)
     outs = []
     for t in range(L):
         state = _scaled(state, decay[:, t], own)  # decay first: rows of (B Hv, E, Ev) scaled
         u_t = v[:, t, None, :]  # (B Hv, 1, Ev): linear attention writes the value itself
         if beta is not None:
             predicted = k[:, t, None, :] @ state  # (B Hv, 1, E) x (B Hv, E, Ev) -> (B Hv, 1, Ev)
-            u_t = beta.reshape(B * Hv, L, 1, 1)[:, t] * (u_t - predicted)  # delta rule: write the error, step beta
+            u_t = step[:, t] * (u_t - predicted)  # delta rule: write the error, a step of beta
         state = _added_product(state, k[:, t, :, None], u_t, own)  # outer product (B Hv, E, 1) x (B Hv, 1, Ev)
         outs.append(q[:, t, None, :] @ state)  # (B Hv, 1, E) x (B Hv, E, Ev) -> (B Hv, 1, Ev): the UPDATED state
     if outs:
@@ -373,11 +374,14 @@ def _delta_rule_chunked(q, k, v, g, beta, state, out, chunk_size, scratch=None):
         chunk = (B * Hv, size, Ev)
         for c, (U, W, q_in, scores, k_out, decay) in enumerate(zip(*systems)):
             v_new = _added_product(U, W, state, memory.enabled, alpha=-1)  # U - W S: (B Hv, C, E) x (B Hv, E, Ev)
-            o = torch.bmm(q_in, state, out=memory.get("o", chunk, v))  # (B Hv, C, E) x (B Hv, E, Ev): the entry state's share
+            # the entry state's share: (B Hv, C, E) x (B Hv, E, Ev) -> (B Hv, C, Ev)
+            o = torch.bmm(q_in, state, out=memory.get("o", chunk, v))
             o = _added_product(o, scores, v_new, memory.enabled)  # + (B Hv, C, C) x (B Hv, C, Ev) -> (B Hv, C, Ev)
             out[:, :, start + c * size:start + (c + 1) * size] = o.view(B, Hv, size, Ev)  # (B Hv, .) -> (B, Hv, .)
-            state = torch.mul(decay.transpose(-1, -2), state, out=kept)  # rows of (B Hv, E, Ev) decay, in place after the first
-            state = _added_product(state, k_out.transpose(-1, -2), v_new, memory.enabled)  # + (B Hv, E, C) x (B Hv, C, Ev)
+            # rows of (B Hv, E, Ev) decay (into the kept state: in place after the first chunk), then
+            # + (B Hv, E, C) x (B Hv, C, Ev)
+            state = torch.mul(decay.transpose(-1, -2), state, out=kept)
+            state = _added_product(state, k_out.transpose(-1, -2), v_new, memory.enabled)
     return state.view(B, Hv, E, Ev)  # (B Hv, E, Ev) -> (B, Hv, E, Ev)
 
 
@@ -405,8 +409,8 @@ class _Scratch:
 
     On CPU a fresh tensor of a few hundred KiB or more is often fresh pages from the kernel:
     glibc gives freed memory back and faults it in again on the next span, which cost more
-    than the arithmetic (about 40 000 page faults and 70 ms of system time per call at the
-    benchmark's 8192 tokens, benchmarks/linear_bench.py). Only where no gradient is recorded
+    than the arithmetic (36 000 to 52 000 page faults and 65 to 107 ms of system time per
+    call at the benchmark's 8192 tokens, benchmarks/linear_bench.py). Only where no gradient is recorded
     (`_tracks_grad`), since autograd keeps the results it needs: otherwise `get` returns None
     and each operation allocates its result as usual, the same numbers either way.
     """
