@@ -71,13 +71,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention_ref import mods
+from attention_ref import linear, mods
 from attention_ref._inputs import expand_kv_heads
 from attention_ref.functional import attention_weights, scaled_dot_product_attention
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.multihead import MultiHeadAttention
 
-__all__ = ["CheckReport", "assert_attention_close", "assert_module_close"]
+__all__ = ["CheckReport", "assert_attention_close", "assert_linear_attention_close", "assert_module_close"]
 
 _ATTENTION_KWARGS = ("attn_mask", "is_causal", "scale", "enable_gqa", "score_mod", "mask_mod", "sinks")
 _BOUNDS = ("row", "global")
@@ -380,6 +380,188 @@ def _judge_all(
     for verdict in failures:
         lines += verdict.lines
     return verdicts, lines
+
+
+# ---- the linear-attention check -----------------------------------------------------------
+
+
+_STATE_LAYOUTS = ("kv", "vk")
+
+
+def assert_linear_attention_close(
+    actual: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    actual_state: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    state_layout: str = "kv",
+    factor: float = 2.0,
+    atol: float = 1e-6,
+    bound: str = "row",
+) -> CheckReport:
+    """Check a delta-rule kernel's output (and final state) by the same rule, against the float64 recurrence.
+
+    The sibling of `assert_attention_close` for the linear attention of
+    `attention_ref.linear`: Gated DeltaNet when ``g`` is ``(B, L, Hv)`` (one decay per
+    head, `attention_ref.linear.gated_delta_rule`), Kimi Delta Attention when it is
+    ``(B, L, Hv, E)`` (one per key channel, `attention_ref.linear.kimi_delta_attention`).
+    The reference is the token-by-token recurrence on float64 copies of the inputs; the
+    low-precision baseline is the same recurrence in the inputs' dtype, its state in
+    float32 for half-precision inputs (as kernels keep it) and its output rounded to
+    ``v``'s dtype. Each row, the ``Ev`` output entries of one token and head (and the
+    ``Ev`` (or ``E``) entries of one state row), passes when
+    ``max_r|actual - ref| <= factor * max(e_r, F_r) + atol`` with the baseline's own error
+    ``e_r`` and the typical error ``F_r`` of `assert_attention_close`, its rounding term
+    ``U_r = sqrt(L) u max_r|ref|`` (``u`` the unit roundoff of the state's dtype: any order
+    of accumulating ``L`` tokens may round that much away); ``bound="global"`` takes one
+    maximum over the whole tensor instead.
+
+    A kernel computed chunk by chunk (the WY/UT form) is judged like any other: the
+    disagreements people report between the two forms (the decay left out of the
+    in-chunk mask, a short last chunk dropped, an initial state ignored, a float16
+    state, packed sequences run as one) all fail. On a failure, float64 recurrences with
+    one planted bug each name the likely cause.
+
+    Args:
+        actual: the kernel's output, ``(B, L, Hv, Ev)``.
+        q: the kernel's queries, ``(B, L, H, E)``, as `attention_ref.linear.gated_delta_rule`
+            takes them.
+        k: its keys, ``(B, L, H, E)``.
+        v: its values, ``(B, L, Hv, Ev)``.
+        g: the log decay, ``<= 0``: ``(B, L, Hv)`` for Gated DeltaNet, ``(B, L, Hv, E)``
+            for Kimi Delta Attention.
+        beta: the delta rule's steps, ``(B, L, Hv)``.
+        actual_state: the kernel's final state, ``(B, Hv, E, Ev)`` (``(N, Hv, E, Ev)``
+            with ``cu_seqlens``), or ``(..., Ev, E)`` with ``state_layout="vk"``; None
+            to judge the output alone.
+        initial_state: the entry state the kernel was given, in this package's
+            ``(..., E, Ev)`` layout (`attention_ref.linear.state_vk_to_kv` converts).
+        cu_seqlens: as in `attention_ref.linear.gated_delta_rule`.
+        scale: as in `attention_ref.linear.gated_delta_rule`.
+        use_qk_l2norm: as in `attention_ref.linear.gated_delta_rule`.
+        state_layout: ``"kv"``, ``(..., E, Ev)`` (this package, fla, transformers), or
+            ``"vk"``, ``(..., Ev, E)`` (flashinfer, Mamba-2), for ``actual_state``.
+        factor: as in `assert_attention_close`.
+        atol: as in `assert_attention_close`.
+        bound: ``"row"`` or ``"global"``, as in `assert_attention_close`.
+
+    Returns:
+        A `CheckReport` naming the quantities judged (``"output"``, ``"final_state"``).
+
+    Raises:
+        AssertionError: a row is out of bounds; the message gives the numbers of the
+            worst row, the rule, the likely cause and the configuration.
+        TypeError, ValueError: an argument is malformed (named in the message), as in
+            `attention_ref.linear.gated_delta_rule` for the inputs.
+
+    Example:
+        >>> import torch
+        >>> from attention_ref.linear import gated_delta_rule
+        >>> from attention_ref.testing import assert_linear_attention_close
+        >>> q, k, v = torch.randn(1, 40, 2, 8), torch.randn(1, 40, 2, 8), torch.randn(1, 40, 2, 8)
+        >>> g, beta = -0.1 * torch.rand(1, 40, 2), torch.rand(1, 40, 2)
+        >>> out, state = gated_delta_rule(q, k, v, g, beta, mode="chunked", chunk_size=16,
+        ...                               output_final_state=True)
+        >>> print(assert_linear_attention_close(out, q, k, v, g, beta, actual_state=state))
+        passed (output, final_state; bound='row')
+    """
+    for name, tensor in (("actual", actual), ("actual_state", actual_state)):
+        if tensor is not None and not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got "
+                            f"{tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+    if not isinstance(g, torch.Tensor) or g.dim() not in (3, 4):
+        raise ValueError("g must be a tensor of shape (B, L, Hv) (Gated DeltaNet) or (B, L, Hv, E) (Kimi Delta "
+                         f"Attention), got {_describe(g) if not isinstance(g, torch.Tensor) else tuple(g.shape)}")
+    if state_layout not in _STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {', '.join(map(repr, _STATE_LAYOUTS))}, got {state_layout!r}")
+    if bound not in _BOUNDS:
+        raise ValueError(f"bound must be one of {', '.join(map(repr, _BOUNDS))}, got {bound!r}")
+    _check_number("factor", factor)
+    _check_number("atol", atol)
+    form = linear.gated_delta_rule if g.dim() == 3 else linear.kimi_delta_attention
+    settings = {"initial_state": initial_state, "cu_seqlens": cu_seqlens, "scale": scale,
+                "use_qk_l2norm": use_qk_l2norm}
+
+    def recurrence(dtype: torch.dtype | None, replace: dict[str, torch.Tensor] | None = None,
+                   **changes: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token loop on the inputs (in ``dtype``, or their own; ``replace`` swaps some of them),
+        with ``changes`` to the settings."""
+        kw = {**settings, **changes}
+        tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, **(replace or {})}
+        inputs = [x.detach() if dtype is None else x.detach().to(dtype) for x in tensors.values()]
+        if kw["initial_state"] is not None:
+            kw["initial_state"] = kw["initial_state"].detach().to(dtype or inputs[2].dtype)
+        with torch.no_grad():
+            out, state = form(*inputs, **kw, mode="recurrent", output_final_state=True)
+        return out, state if state_layout == "kv" else linear.state_kv_to_vk(state)
+
+    reference, reference_state = recurrence(torch.float64)  # also checks the inputs, naming them
+    low, low_state = recurrence(None)
+    for name, got, want in (("actual", actual, reference), ("actual_state", actual_state, reference_state)):
+        if got is not None and got.shape != want.shape:
+            layout = {"actual": "(B, L, Hv, Ev)", "actual_state": "(N, Hv, E, Ev)" if state_layout == "kv"
+                      else "(N, Hv, Ev, E)"}[name]
+            raise ValueError(f"{name} must have shape {layout} = {tuple(want.shape)}, got {tuple(got.shape)}")
+    dtype = v.dtype
+    baseline = f"the recurrence, its state in {_name(torch.promote_types(dtype, torch.float32))}"
+    # what any order of accumulating L tokens may round away on a row: sqrt(L) u max_r|ref|, u the unit
+    # roundoff of the state's dtype (the row's largest entry stands for the sizes of its terms)
+    roundoff = math.sqrt(max(q.shape[1], 1)) * _accumulation_roundoff(dtype)
+    why = "the rounding any order of accumulating the L tokens may make, sqrt(L) * u * max|reference| of the row"
+    quantities = [_Quantity("output", actual, reference, low, dtype, "token", baseline=baseline,
+                            rounding=roundoff * _per_row(reference.abs(), "token"), rounding_why=why,
+                            rounding_capped=False)]
+    if actual_state is not None:
+        quantities.append(_Quantity("final_state", actual_state, reference_state, low_state, dtype, "state",
+                                    baseline=baseline, rounding=roundoff * _per_row(reference_state.abs(), "state"),
+                                    rounding_why=why, rounding_capped=False))
+    verdicts, lines = _judge_all("assert_linear_attention_close", quantities, factor, atol, bound)
+    if lines:
+        if verdicts[0].failed:
+            lines += _linear_probe_lines(actual, recurrence, g, beta, settings, verdicts[0])
+        lines.append(f"  config: {form.__name__}, q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                     f"g {tuple(g.shape)}, beta {tuple(beta.shape)}\n    dtype {_name(dtype)}, factor={factor:g}, "
+                     f"atol={atol:g}, bound={bound!r}, initial_state={_describe(initial_state)}, "
+                     f"cu_seqlens={_describe(cu_seqlens)}, scale={scale}, use_qk_l2norm={use_qk_l2norm}")
+        raise AssertionError("\n".join(lines))
+    return _report(bound, verdicts, None, False)
+
+
+def _linear_probe_lines(actual: torch.Tensor, recurrence: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                        g: torch.Tensor, beta: torch.Tensor, settings: dict[str, Any], verdict: _Verdict
+                        ) -> list[str]:
+    """``likely cause: ...`` for each planted bug under which the output passes its row allowances."""
+    h0 = settings["initial_state"]
+    probes: list[tuple[str, str, dict[str, Any]]] = [
+        ("no decay", "the decay is left out (g taken as 0)", {"replace": {"g": torch.zeros_like(g)}}),
+        ("beta 1", "beta is left out (taken as 1)", {"replace": {"beta": torch.ones_like(beta)}})]
+    if h0 is not None:
+        probes.append(("initial state ignored", "the initial state is ignored (the kernel starts from zeros)",
+                       {"initial_state": None}))
+    if settings["cu_seqlens"] is not None:  # one sequence, from the first one's entry state
+        probes.append(("one sequence", "the packed sequences run as one: no state reset at cu_seqlens",
+                       {"cu_seqlens": None, "initial_state": None if h0 is None else h0[:1]}))
+    probes.append(("l2 norm", "q and k are " + ("not L2-normalised (use_qk_l2norm=True here)"
+                                                if settings["use_qk_l2norm"] else
+                                                "L2-normalised (use_qk_l2norm=False here)"),
+                   {"use_qk_l2norm": not settings["use_qk_l2norm"]}))
+    if settings["scale"] is None:
+        probes.append(("scale 1", "scale = 1 (here E ** -0.5)", {"scale": 1.0}))
+    matched = []
+    for _, description, changes in probes:
+        planted = recurrence(torch.float64, **changes)[0]
+        if bool((_per_row(_abs_diff(actual, planted), "token") <= verdict.allowance).all()):
+            matched.append(description)
+    if matched:
+        return [f"  likely cause: {description}" for description in matched]
+    return [f"  probes tried, none matched: {', '.join(name for name, _, _ in probes)}"]
 
 
 # ---- the module check --------------------------------------------------------------------
@@ -745,6 +927,11 @@ class _Quantity:
     not_judged: torch.Tensor | None = None  # bool, the rows' shape
     overflowed: torch.Tensor | None = None  # bool, the rows' shape
     rounding: torch.Tensor | None = None  # float64, the rows' shape: what any summation order may round away
+    baseline: str = "no upcasting"  # how the low-precision baseline computes, for the messages
+    # the rounding's words in the messages; capped: no allowance beyond the largest healthy baseline error
+    rounding_why: str = ("the rounding any summation order may make on this row, sqrt(n) * u * sum|terms| "
+                         "from the exact weights")
+    rounding_capped: bool = True
 
 
 @dataclass
@@ -806,9 +993,11 @@ def _judge(q: _Quantity, factor: float, atol: float, bound: str) -> _Verdict:
     typical_relative = _percentile(low_error[sized] / magnitude[sized])
     largest = low_error[healthy].max() if bool(healthy.any()) else torch.zeros((), dtype=torch.float64)
     floor = torch.maximum(typical, typical_relative * magnitude)  # (rows)
-    if q.rounding is not None:  # a row whose exact value cancels (near 0) may be off by the rounding alone
+    if q.rounding is not None and q.rounding_capped:  # a row whose exact value cancels may be off by the rounding
         floor = torch.maximum(floor, q.rounding)
     floor = torch.minimum(floor, largest)  # (rows), <= the global
+    if q.rounding is not None and not q.rounding_capped:
+        floor = torch.maximum(floor, q.rounding)
     # a degenerate row has no estimate of its own: it is held to the floor alone, the typical error at its scale
     judgeable = bool(healthy.any())
     allowance = factor * torch.where(degenerate, floor, torch.maximum(low_error, floor)) + atol
@@ -841,7 +1030,7 @@ def _judge(q: _Quantity, factor: float, atol: float, bound: str) -> _Verdict:
     else:
         lines += [
             f"    max|actual - reference|        = {error[row].item():.3e}",
-            f"    max|low_precision - reference| = {low_error[row].item():.3e} ({dtype}, no upcasting)",
+            f"    max|low_precision - reference| = {low_error[row].item():.3e} ({dtype}, {q.baseline})",
         ]
         if not bool(degenerate[row]):
             if low_error[row] >= floor[row]:
@@ -853,8 +1042,7 @@ def _judge(q: _Quantity, factor: float, atol: float, bound: str) -> _Verdict:
                 if floor[row] < torch.maximum(torch.maximum(typical, relative), rounding):
                     why = "the largest baseline error among the healthy rows, the floor's cap"
                 elif rounding > torch.maximum(typical, relative):
-                    why = ("the rounding any summation order may make on this row, sqrt(n) * u * sum|terms| "
-                           "from the exact weights")
+                    why = q.rounding_why
                 elif typical >= relative:
                     why = "the 90th percentile of the rows' baseline errors"
                 else:
@@ -875,7 +1063,8 @@ def _judge(q: _Quantity, factor: float, atol: float, bound: str) -> _Verdict:
     if q.rows == "one":
         lines.append("    judged as one row (the whole tensor)")
     else:
-        kind = {"query": "query rows", "key": "key rows", "scalar": "query rows"}[q.rows]
+        kind = {"query": "query rows", "key": "key rows", "scalar": "query rows", "token": "token rows",
+                "state": "state rows"}[q.rows]
         lines.append(f"    {int(failing.sum())} of {failing.numel()} {kind} out of bounds; the numbers above are those "
                      f"of row {_swap_row(row) if q.swap else row}, the failing row with the largest error")
     if bool(overflowed.any()):
@@ -909,7 +1098,7 @@ def _judge_global(q: _Quantity, diff: torch.Tensor, low_diff: torch.Tensor, fact
     lines = [
         f"  {q.name}:",
         f"    max|actual - reference|        = {error:.3e}",
-        f"    max|low_precision - reference| = {low_error:.3e} ({dtype}, no upcasting)",
+        f"    max|low_precision - reference| = {low_error:.3e} ({dtype}, {q.baseline})",
         f"    allowed: {factor:g} * {low_error:.3e} + {atol:g} = {allowed:.3e}",
         f"    worst position {_position(position, q.swap)}: actual {_value(q.actual, position)}, "
         f"reference {_value(q.reference, position)}",
