@@ -92,6 +92,7 @@ from itertools import pairwise
 
 import torch
 
+from attention_ref._inputs import check_bool
 from attention_ref._validation import (
     check_positive_int,
     check_scale,
@@ -506,8 +507,10 @@ def _run_delta(mode, chunk_size, *args):
 
 
 def _prepare_delta(name_g, q, k, v, g, beta, g_shape, g_layout, initial_state, mode, chunk_size, cu_seqlens,
-                   scale):
+                   scale, output_final_state, use_qk_l2norm):
     B, L, _, Hv, E, Ev = _check_qkv(q, k, v)
+    check_bool("output_final_state", output_final_state)
+    check_bool("use_qk_l2norm", use_qk_l2norm)
     g = _check_like(name_g, g, g_shape(B, L, Hv, E), g_layout, q)
     _check_log_gate(name_g, g)
     beta = _check_like("beta", beta, (B, L, Hv), "(B, L, Hv)", q)
@@ -602,7 +605,7 @@ def gated_delta_rule(
     """
     g, beta, initial_state, bounds = _prepare_delta(
         "g", q, k, v, g, beta, lambda B, L, Hv, E: (B, L, Hv), "(B, L, Hv)", initial_state, mode, chunk_size,
-        cu_seqlens, scale)
+        cu_seqlens, scale, output_final_state, use_qk_l2norm)
     g = g[..., None]  # (B, L, Hv) -> (B, L, Hv, 1): one decay for all key channels
     return _run_delta(mode, chunk_size, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
                       use_qk_l2norm)
@@ -670,7 +673,7 @@ def kimi_delta_attention(
     """
     g, beta, initial_state, bounds = _prepare_delta(
         "g", q, k, v, g, beta, lambda B, L, Hv, E: (B, L, Hv, E), "(B, L, Hv, E)", initial_state, mode,
-        chunk_size, cu_seqlens, scale)
+        chunk_size, cu_seqlens, scale, output_final_state, use_qk_l2norm)
     return _run_delta(mode, chunk_size, q, k, v, g, beta, initial_state, output_final_state, bounds, scale,
                       use_qk_l2norm)
 
@@ -739,6 +742,7 @@ def gated_linear_attention(
         True
     """
     B, L, _, Hv, E, Ev = _check_qkv(q, k, v)
+    check_bool("output_final_state", output_final_state)
     g = _check_like("g", g, (B, L, Hv), "(B, L, Hv)", q)
     _check_log_gate("g", g)
     _check_mode(mode, _QUADRATIC_MODES)

@@ -472,13 +472,15 @@ def assert_linear_attention_close(
         >>> print(assert_linear_attention_close(out, q, k, v, g, beta, actual_state=state))
         passed (output, final_state; bound='row')
     """
-    for name, tensor in (("actual", actual), ("actual_state", actual_state)):
-        if tensor is not None and not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+    inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, tensor in (("actual", actual), ("actual_state", actual_state), *inputs.items()):
+        if (tensor is not None or name in inputs) and not (isinstance(tensor, torch.Tensor)
+                                                           and tensor.is_floating_point()):
             raise TypeError(f"{name} must be a floating-point torch.Tensor, got "
                             f"{tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
-    if not isinstance(g, torch.Tensor) or g.dim() not in (3, 4):
+    if g.dim() not in (3, 4):
         raise ValueError("g must be a tensor of shape (B, L, Hv) (Gated DeltaNet) or (B, L, Hv, E) (Kimi Delta "
-                         f"Attention), got {_describe(g) if not isinstance(g, torch.Tensor) else tuple(g.shape)}")
+                         f"Attention), got {tuple(g.shape)}")
     if state_layout not in _STATE_LAYOUTS:
         raise ValueError(f"state_layout must be one of {', '.join(map(repr, _STATE_LAYOUTS))}, got {state_layout!r}")
     if bound not in _BOUNDS:
@@ -494,12 +496,12 @@ def assert_linear_attention_close(
         """The token loop on the inputs (in ``dtype``, or their own; ``replace`` swaps some of them),
         with ``changes`` to the settings."""
         kw = {**settings, **changes}
-        tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, **(replace or {})}
-        inputs = [x.detach() if dtype is None else x.detach().to(dtype) for x in tensors.values()]
+        tensors = [x.detach() if dtype is None else x.detach().to(dtype)
+                   for x in {**inputs, **(replace or {})}.values()]  # q, k, v, g, beta
         if kw["initial_state"] is not None:
-            kw["initial_state"] = kw["initial_state"].detach().to(dtype or inputs[2].dtype)
+            kw["initial_state"] = kw["initial_state"].detach().to(dtype or tensors[2].dtype)
         with torch.no_grad():
-            out, state = form(*inputs, **kw, mode="recurrent", output_final_state=True)
+            out, state = form(*tensors, **kw, mode="recurrent", output_final_state=True)
         return out, state if state_layout == "kv" else linear.state_kv_to_vk(state)
 
     reference, reference_state = recurrence(torch.float64)  # also checks the inputs, naming them

@@ -448,6 +448,12 @@ def test_errors_name_the_argument_and_the_values():
         ssd(torch.randn(1, 4, 2, 5, dtype=F64), -dt, -A, Bm, Bm)
     with pytest.raises(ValueError, match=r"state must have at least 2 dims \(\.\.\., E, Ev\), got shape \(5,\)"):
         state_kv_to_vk(torch.zeros(5))
+    x = make()
+    for flag, fn in (("use_qk_l2norm", "gdn"), ("output_final_state", "kda")):  # a truthy str is no bool
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got str"):
+            run(fn, make(fn), **{flag: "no"})
+    with pytest.raises(TypeError, match="output_final_state must be a bool, got int"):
+        gated_linear_attention(x["q"], x["k"], x["v"], x["g"], output_final_state=1)
 
 
 def test_oracle_tiny_qwen3_next_with_attention_ref_linear_layers(monkeypatch):

@@ -181,5 +181,11 @@ def test_errors_name_the_argument():
         assert_linear_attention_close(out, x["q"], x["k"], x["v"], x["g"][0], x["beta"])
     with pytest.raises(ValueError, match="factor must be finite and > 0, got -1"):
         check(out, x, factor=-1)
+    with pytest.raises(TypeError, match="beta must be a floating-point torch.Tensor, got NoneType"):
+        assert_linear_attention_close(out, x["q"], x["k"], x["v"], x["g"], None)
+    with pytest.raises(TypeError, match="use_qk_l2norm must be a bool, got str"):  # checked by gated_delta_rule
+        check(out, x, use_qk_l2norm="no")
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'mode'"):
+        check(out, x, mode="chunked")
     with pytest.raises(ValueError, match="g is the log of the decay and must be <= 0"):  # checked by gated_delta_rule
         assert_linear_attention_close(out, x["q"], x["k"], x["v"], -x["g"], x["beta"])
