@@ -439,6 +439,26 @@ def heatmaps(
     return fig
 
 
+def _head_grid_inputs(weights: object, query_labels: Sequence[object] | None, key_labels: Sequence[object] | None,
+                      ncols: int | None, head_names: Sequence[str] | None, colorbar_label: str | None
+                      ) -> tuple[bool, np.ndarray, str, list[str], list[str] | None, list[str] | None]:
+    """The checked arguments `head_grid` and `head_grid_html` share: whether ``weights`` is a
+    mask, the ``(H, L, S)`` array, the colour bar's label, the head names, the query and key labels."""
+    mask = _is_mask(weights)
+    array = _as_array("weights", weights, 3, "(H, L, S)")
+    H = array.shape[0]
+    if H == 0:
+        raise ValueError(f"weights must hold at least one head, got shape {array.shape}")
+    if ncols is not None and (isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1):
+        raise ValueError(f"ncols must be a positive int or None, got {ncols!r}")
+    if head_names is not None and len(head_names) != H:
+        raise ValueError(f"head_names must have one name per head ({H}), got {len(head_names)}")
+    label = _colorbar_label("colorbar_label", colorbar_label, mask)
+    names = [str(n) for n in head_names] if head_names is not None else [f"head {h}" for h in range(H)]
+    queries, keys = _resolve_labels(array.shape, query_labels, key_labels)
+    return mask, array, label, names, queries, keys
+
+
 def head_grid(
     weights: object,
     query_labels: Sequence[object] | None = None,
@@ -491,18 +511,9 @@ def head_grid(
         >>> print(fig.get_size_inches()[0] <= 7.0)  # inches: fits the documentation's column
         True
     """
-    mask = _is_mask(weights)
-    array = _as_array("weights", weights, 3, "(H, L, S)")
+    mask, array, label, names, queries, keys = _head_grid_inputs(
+        weights, query_labels, key_labels, ncols, head_names, colorbar_label)
     H, L, S = array.shape
-    if H == 0:
-        raise ValueError(f"weights must hold at least one head, got shape {array.shape}")
-    if ncols is not None and (isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1):
-        raise ValueError(f"ncols must be a positive int or None, got {ncols!r}")
-    if head_names is not None and len(head_names) != H:
-        raise ValueError(f"head_names must have one name per head ({H}), got {len(head_names)}")
-    label = _colorbar_label("colorbar_label", colorbar_label, mask)
-    names = [str(n) for n in head_names] if head_names is not None else [f"head {h}" for h in range(H)]
-    queries, keys = _resolve_labels(array.shape, query_labels, key_labels)
     left, bottom = _margins(queries, keys, L, S)
 
     def cell_for(columns: int) -> float:  # the widest cell that fits `columns` panels
@@ -793,21 +804,12 @@ def head_grid_html(
         >>> [page.count(f'aria-label="head {h}"') for h in range(4)]
         [1, 1, 1, 1]
     """
-    mask = _is_mask(weights)
-    array = _as_array("weights", weights, 3, "(H, L, S)")
+    mask, array, label, names, queries, keys = _head_grid_inputs(
+        weights, query_labels, key_labels, ncols, head_names, colorbar_label)
     H = array.shape[0]
-    if H == 0:
-        raise ValueError(f"weights must hold at least one head, got shape {array.shape}")
-    if ncols is not None and (isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1):
-        raise ValueError(f"ncols must be a positive int or None, got {ncols!r}")
-    if head_names is not None and len(head_names) != H:
-        raise ValueError(f"head_names must have one name per head ({H}), got {len(head_names)}")
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a str or None, got {type(title).__name__}")
     caption = _caption(caption)
-    label = _colorbar_label("colorbar_label", colorbar_label, mask)
-    names = [str(n) for n in head_names] if head_names is not None else [f"head {h}" for h in range(H)]
-    queries, keys = _resolve_labels(array.shape, query_labels, key_labels)
     with _style() as mpl:
         panels = [_head_panel(mpl, array[h], queries, keys, names[h], cmap, mask) for h in range(H)]
         width = panels[0].get_size_inches()[0]
