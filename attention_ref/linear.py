@@ -300,8 +300,8 @@ the allocator's reuse, not fresh pages (see `_run`)."""
 
 _BLOCK_ELEMENTS = 2**19
 """How many decay factors ``exp(Gamma_i - Gamma_j)`` (``C * C`` per chunk and head for a
-scalar gate, ``C * C * E`` per channel) `_delta_rule_chunked` builds at once: a bound on
-the memory of the chunks prepared together."""
+scalar gate, ``C * C * E`` per channel) one call of `_delta_rule_chunked` builds: with
+`_SPAN_ELEMENTS`, `_run_delta` bounds the span by it."""
 
 
 def _span_tokens(B: int, Hv: int, width: int) -> int:
@@ -338,11 +338,10 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
     A_beta = _scaled(A_inv, beta.transpose(-1, -2), own)  # A^-1 diag(beta): columns scaled
     U = torch.matmul(A_beta, v, out=memory.get("U", (*lead, C, Ev), q))  # (..., C, C) x (..., C, Ev)
     if gamma.shape[-1] == 1:  # a scalar gate folds into the columns too: A^-1 diag(beta exp(Gamma)) K
-        A_beta = _scaled(A_beta, decay_in.transpose(-1, -2), own)
-    else:
-        k_in = k * decay_in  # (..., C, E)
-    W = torch.matmul(A_beta, k if gamma.shape[-1] == 1 else k_in,
-                     out=memory.get("W", (*lead, C, E), q))  # (..., C, C) x (..., C, E) -> (..., C, E)
+        A_w, k_w = _scaled(A_beta, decay_in.transpose(-1, -2), own), k
+    else:  # per channel: A^-1 diag(beta) (K exp(Gamma))
+        A_w, k_w = A_beta, k * decay_in  # (..., C, E)
+    W = torch.matmul(A_w, k_w, out=memory.get("W", (*lead, C, E), q))  # (..., C, C) x (..., C, E) -> (..., C, E)
     gamma_last = gamma[..., -1:, :]  # (..., 1, 1 or E): the whole chunk's log decay
     k_out = _scaled(k, (gamma_last - gamma).exp_(), own)  # (..., C, E): each write's decay to the chunk's end
     return U, W, _scaled(q, decay_in, own), scores, k_out, gamma_last.exp()
