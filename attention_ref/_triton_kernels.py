@@ -120,7 +120,9 @@ def _attn_fwd_inner(
         if HAS_SOFTCAP:
             s = _tanh(qk * tanh_scale) * qk_scale  # cap * tanh(scale * q.k / cap), before any mask
         else:
-            s = qk * qk_scale
+            # raw scores: qk_scale (> 0) multiplies them inside the exponent below, one FMA per
+            # score, and the row max, since max(c x) = c max(x) for c > 0
+            s = qk
         if MASKED:
             ok = _allowed(n_ok[None, :], offs_m[:, None], offs_n[None, :], win_lo, win_hi,
                           IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
@@ -131,15 +133,21 @@ def _attn_fwd_inner(
         elif HAS_KPM:
             keep = tl.load(kpm_base + offs_n)
             s = tl.where(keep[None, :] != 0, s, float("-inf"))
-        # new running max m_i: the largest score seen so far in each row
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # new running max m_i: the largest scaled score seen so far in each row
+        if HAS_SOFTCAP:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         if MASKED or HAS_KPM:
             # a row with no key so far has max -inf: shift it by 0 so exp2 gives 0, not NaN
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
         # probabilities of this block, relative to the new max
-        p = tl.math.exp2(s - m_shift[:, None])
+        if HAS_SOFTCAP:
+            p = tl.math.exp2(s - m_shift[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - m_shift[:, None])  # fused into one FMA
         # alpha rescales what was accumulated under the old max
         alpha = tl.math.exp2(m_i - m_shift)
         # running sum l_i: old sum rescaled plus this block's row sums

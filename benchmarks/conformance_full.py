@@ -6,7 +6,7 @@ the medium shapes; see `attention_ref.conformance.cases.matrix`) on each adapter
 `attention_ref.conformance.shipped` and records every case's status and message. Run from
 the repository root:
 
-    .venv/bin/python benchmarks/conformance_full.py [--adapters NAME ...] [--size full|quick]
+    .venv/bin/python benchmarks/conformance_full.py [--adapters NAME ...] [--size full|quick] [--jobs N]
                                                     [--device cpu|cuda] [--threads N] [--out DIR_OR_FILE]
 
 By default every shipped adapter but the compiled FlexAttention ones (``torch.compile`` on a
@@ -15,7 +15,9 @@ CPU takes minutes per shape: name them with ``--adapters`` to include them). Wit
 runs under Triton's interpreter (float32 and float16; its medium cases take a while). Progress
 and one summary line per adapter go to stderr. The record goes to
 benchmarks/results/conformance/conformance-<device>-<date>.json unless ``--out`` says otherwise
-(a directory, or a path ending in .json). The exit status is 1 when a case failed, raised or
+(a directory, or a path ending in .json). ``--jobs N`` runs N adapters at a time, each in a
+process of its own (what a lent GPU machine with 16 cores wants; the record is the same, each
+report's ``seconds`` then counts its process's time beside the others). The exit status is 1 when a case failed, raised or
 passed against a known bug (``report.ok`` false), so a CI job can run it.
 """
 
@@ -42,12 +44,78 @@ from attention_bench import _load, provenance  # noqa: E402
 
 from attention_ref import conformance  # noqa: E402
 from attention_ref.conformance import shipped  # noqa: E402
+from attention_ref.conformance.runner import run_case, versions  # noqa: E402
 
-DEFAULT_ADAPTERS = [name for name in shipped.SHIPPED if not name.endswith("-compiled")]
+DEFAULT_ADAPTERS = [name for name in shipped.SHIPPED
+                    if not name.endswith("-compiled") and (torch.cuda.is_available() or name not in shipped.CUDA_ONLY)]
 
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def _run_adapter(name: str, size: str, device: torch.device, progress: bool, deadline: float | None) -> dict:
+    """One adapter's report as a dict (``not_run`` when it cannot be built here; ``not_reached`` cases
+    were not started because ``deadline``, a ``time.time()``, had passed)."""
+    try:
+        adapter = shipped.SHIPPED[name]()
+    except (ImportError, RuntimeError) as error:  # a library that is not installed, or no way to run
+        _say(f"{name}: not run: {type(error).__name__}: {error}")
+        return {"adapter": name, "not_run": f"{type(error).__name__}: {error}"}
+    if name.endswith("-compiled"):
+        # Every case is a new graph. Past dynamo's recompile limit (8) it would run flex_attention
+        # eagerly and the report would say "compiled": raise the limit, and fail rather than fall back.
+        from torch import _dynamo
+
+        _dynamo.config.recompile_limit = _dynamo.config.accumulated_recompile_limit = 4096
+        _dynamo.config.fail_on_recompile_limit_hit = True
+    if deadline is None:
+        report = conformance.run(adapter, size, progress=progress, device=device)
+        not_reached = 0
+    else:  # case by case, none started after the deadline
+        cases, results, start = conformance.matrix(size), [], time.perf_counter()
+        for case in cases:
+            if time.time() >= deadline:
+                break
+            results.append(run_case(adapter, case, device))
+        report = conformance.Report(adapter.name, adapter.description, size, str(torch.device(device)), results,
+                                    versions(), time.perf_counter() - start)
+        not_reached = len(cases) - len(results)
+    _say(report.summary() + (f"; {not_reached} cases not reached by --max-wall-s" if not_reached else ""))
+    for problem in report.problems():
+        _say(f"    {problem.id}: {problem.status}: {problem.detail.strip().splitlines()[0]}")
+    return dict(report.to_dict(), not_reached=not_reached)
+
+
+def _run_in_processes(args: argparse.Namespace) -> dict:
+    """Each adapter in a process of its own, ``args.jobs`` at a time; their reports in ``args.adapters``' order."""
+    import subprocess
+    import tempfile
+
+    own = ["--size", args.size, "--device", args.device, "--no-progress"]
+    if args.deadline is not None:
+        own += ["--deadline", repr(args.deadline)]
+    if args.threads is not None:
+        own += ["--threads", str(args.threads)]
+    reports: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        waiting, running = list(args.adapters), {}
+        while waiting or running:
+            while waiting and len(running) < args.jobs:
+                name = waiting.pop(0)
+                out = Path(tmp) / f"{name}.json"
+                cmd = [sys.executable, __file__, *own, "--adapters", name, "--out", str(out)]
+                running[name] = (subprocess.Popen(cmd), out)
+            for name, (proc, out) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                if out.exists():
+                    reports[name] = json.loads(out.read_text())["reports"][name]
+                else:  # the process died before writing (a crash of the kernel, say): recorded, not lost
+                    reports[name] = {"adapter": name, "not_run": f"its process exited with {proc.returncode}"}
+            time.sleep(0.2)
+    return {name: reports[name] for name in args.adapters}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--jobs", type=int, default=1, help="adapters run at a time, one process each (default 1)")
+    parser.add_argument("--max-wall-s", type=float, default=None,
+                        help="start no case after this many seconds (the record counts the cases not reached)")
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # --max-wall-s, for children
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/conformance",
                         help="a directory (conformance-<device>-<date>.json is written there) or a .json path")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -73,20 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     record["config"] = {"size": args.size, "device": str(device), "cases": len(conformance.matrix(args.size)),
                         "adapters": args.adapters, "threads": torch.get_num_threads(),
                         "triton_interpret": os.environ.get("TRITON_INTERPRET")}
-    reports = {}
+    if args.max_wall_s is not None and args.deadline is None:
+        args.deadline = time.time() + args.max_wall_s
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    record["config"]["jobs"] = args.jobs
     start = time.perf_counter()
-    for name in args.adapters:
-        try:
-            adapter = shipped.SHIPPED[name]()
-        except (ImportError, RuntimeError) as error:  # a library that is not installed, or no way to run
-            _say(f"{name}: not run: {type(error).__name__}: {error}")
-            reports[name] = {"adapter": name, "not_run": f"{type(error).__name__}: {error}"}
-            continue
-        report = conformance.run(adapter, args.size, progress=not args.no_progress, device=device)
-        _say(report.summary())
-        for problem in report.problems():
-            _say(f"    {problem.id}: {problem.status}: {problem.detail.strip().splitlines()[0]}")
-        reports[name] = report.to_dict()
+    if args.jobs == 1 or len(args.adapters) == 1:
+        reports = {name: _run_adapter(name, args.size, device, not args.no_progress, args.deadline)
+                   for name in args.adapters}
+    else:
+        reports = _run_in_processes(args)
     record["seconds"] = round(time.perf_counter() - start, 1)
     record["load_after"] = _load()
     record["reports"] = reports

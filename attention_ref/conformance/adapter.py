@@ -27,7 +27,7 @@ import torch
 
 from attention_ref.conformance.cases import DTYPES, FEATURES, LAYOUTS, Case, Problem
 
-__all__ = ["Adapter", "KnownFailure", "load_adapter", "version_tuple"]
+__all__ = ["Adapter", "KnownFailure", "Unsupported", "load_adapter", "version_tuple"]
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -50,6 +50,16 @@ def _installed(library: str) -> str | None:
         return importlib.metadata.version(library)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+class Unsupported(Exception):
+    """Raised by an adapter's call when the kernel itself refuses this input, loudly.
+
+    The case is reported as skipped, with the message as the reason: the kernel did not
+    answer, so there is nothing to judge. Use it only for a refusal the library makes on
+    purpose (torch's ``"No available kernel"``, for one), never to hide an error: a kernel
+    that raises anything else is reported as an error.
+    """
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from attention_ref import testing
-from attention_ref.conformance.adapter import Adapter, load_adapter
+from attention_ref.conformance.adapter import Adapter, Unsupported, load_adapter
 from attention_ref.conformance.cases import Case, Inputs, matrix, to_layout
 from attention_ref.conformance.report import CaseResult, Report
 
@@ -122,6 +122,8 @@ def run_case(adapter: Adapter, case: Case, device: torch.device | str = "cpu") -
         check(adapter, case, device)
     except AssertionError as error:
         status, detail = "failed", str(error)
+    except Unsupported as error:  # the kernel refused the input on purpose: not judged
+        return _result(case, "skipped", f"refused by the kernel: {error}", time.perf_counter() - start)
     except Exception as error:  # the kernel raised: reported, not propagated
         status, detail = "error", f"{type(error).__name__}: {error}"
     else:

@@ -11,6 +11,7 @@ boolean masks, FlexAttention's mods and block masks), as a user of it would.
 |---|---|---|
 | `torch_sdpa_math` | ``F.scaled_dot_product_attention`` under ``sdpa_kernel(MATH)`` | bhld |
 | `torch_sdpa_flash` | the same under ``sdpa_kernel(FLASH_ATTENTION)`` (a flash kernel on CPU too) | bhld |
+| `torch_sdpa_efficient`, `torch_sdpa_cudnn` | the same under ``EFFICIENT_ATTENTION``, ``CUDNN_ATTENTION`` (CUDA only) | bhld |
 | `torch_flex` | ``flex_attention``, eager (unfused: it materialises the scores) | bhld |
 | `torch_flex_compiled` | ``torch.compile(flex_attention)`` (a minute to compile on CPU) | bhld |
 | `torch_multihead` | ``nn.MultiheadAttention`` with identity projections | blhd |
@@ -20,7 +21,10 @@ boolean masks, FlexAttention's mods and block masks), as a user of it would.
 | `hf_flex_compiled` | ``flex_attention_forward`` as shipped (it compiles ``flex_attention``) | bhld in, blhd out |
 | `attention_ref_math`, `attention_ref_tiled`, `attention_ref_triton` | this package's backends | bhld |
 
-Known bugs are pinned to the version they were seen in (`KnownFailure`).
+Known bugs are pinned to the version they were seen in (`KnownFailure`). Where torch's
+SDPA refuses an input under the one kernel asked for ("No available kernel": the CUDA flash
+kernel takes no mask and no float32, for one), the adapter raises `Unsupported` and the case
+is skipped with torch's reasons.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from attention_ref import mods
-from attention_ref.conformance.adapter import Adapter, KnownFailure
+from attention_ref.conformance.adapter import Adapter, KnownFailure, Unsupported
 from attention_ref.conformance.cases import Problem
 
 __all__ = [
+    "CUDA_ONLY",
     "SHIPPED",
     "attention_ref_math",
     "attention_ref_tiled",
@@ -52,6 +57,8 @@ __all__ = [
     "torch_flex",
     "torch_flex_compiled",
     "torch_multihead",
+    "torch_sdpa_cudnn",
+    "torch_sdpa_efficient",
     "torch_sdpa_flash",
     "torch_sdpa_math",
 ]
@@ -83,9 +90,19 @@ def _torch_sdpa_call(kernel: str) -> Callable[[Problem], torch.Tensor]:
                 mask = causal_lower_right(p.query.shape[-2], p.key.shape[-2])
         elif is_causal and mask is not None:  # torch refuses both: fold the causal rule into the mask
             mask, is_causal = p.dense_mask(), False
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(p.query, p.key, p.value, attn_mask=mask, is_causal=is_causal,
-                                                  scale=p.scale, enable_gqa=p.enable_gqa)
+        with warnings.catch_warnings(record=True) as why, sdpa_kernel(backend):
+            warnings.simplefilter("always")  # torch says why a kernel cannot run as UserWarnings
+            try:
+                out = F.scaled_dot_product_attention(p.query, p.key, p.value, attn_mask=mask, is_causal=is_causal,
+                                                     scale=p.scale, enable_gqa=p.enable_gqa)
+            except RuntimeError as error:  # torch's own refusal: this kernel does not take this input
+                if "No available kernel" not in str(error):
+                    raise
+                reasons = "; ".join(dict.fromkeys(str(w.message).strip() for w in why)) or str(error)
+                raise Unsupported(f"torch {kernel}: {reasons}") from error
+        for w in why:  # anything else torch warned about is not ours to hide
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out
 
     return call
 
@@ -114,6 +131,27 @@ def torch_sdpa_flash() -> Adapter:
                    known_failures=(_CPU_FLASH_BACKWARD,) if cpu else (),
                    description="F.scaled_dot_product_attention, sdpa_kernel(FLASH_ATTENTION), "
                                f"torch {torch.__version__}")
+
+
+def _cuda_only(name: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{name}: torch has this SDPA kernel on CUDA only (torch.cuda.is_available() is False)")
+
+
+def torch_sdpa_efficient() -> Adapter:
+    """``F.scaled_dot_product_attention`` under ``sdpa_kernel(EFFICIENT_ATTENTION)`` (memory-efficient; CUDA only)."""
+    _cuda_only("torch-sdpa-efficient")
+    return Adapter("torch-sdpa-efficient", _torch_sdpa_call("EFFICIENT_ATTENTION"), supports=_SDPA_FEATURES,
+                   description="F.scaled_dot_product_attention, sdpa_kernel(EFFICIENT_ATTENTION), "
+                               f"torch {torch.__version__}")
+
+
+def torch_sdpa_cudnn() -> Adapter:
+    """``F.scaled_dot_product_attention`` under ``sdpa_kernel(CUDNN_ATTENTION)`` (cuDNN's kernel; CUDA only)."""
+    _cuda_only("torch-sdpa-cudnn")
+    return Adapter("torch-sdpa-cudnn", _torch_sdpa_call("CUDNN_ATTENTION"), supports=_SDPA_FEATURES,
+                   description="F.scaled_dot_product_attention, sdpa_kernel(CUDNN_ATTENTION), "
+                               f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
 
 
 # --- FlexAttention -----------------------------------------------------------------------------------
@@ -164,6 +202,9 @@ def _flex_call(flex: Callable[..., torch.Tensor]) -> Callable[[Problem], torch.T
 _FLEX_NOTES = {"backward": "FlexAttention has no backward on CPU (NotImplementedError)",
                "value_dim": "FlexAttention needs Ev == E"}
 _FLEX_FEATURES = (_SDPA_FEATURES - {"backward", "value_dim"}) | _MASK_MOD_FEATURES | {"softcap", "alibi"}
+if torch.cuda.is_available():  # FlexAttention's backward exists on CUDA
+    _FLEX_NOTES.pop("backward")
+    _FLEX_FEATURES |= {"backward"}
 
 
 def torch_flex() -> Adapter:
@@ -355,6 +396,9 @@ def _hf_flex(compiled: bool) -> Adapter:
     version = _transformers_version()
     notes = dict(_FLEX_NOTES, sinks="s_aux raises on CPU ('Attention sinks cannot be run on CPU with flex attention')")
     supports = set(_FLEX_FEATURES)
+    if torch.cuda.is_available():  # the CPU's refusal of s_aux does not apply
+        supports.add("sinks")
+        notes.pop("sinks")
     if compiled and not torch.cuda.is_available():
         # Not a failure the suite can record: the process dies. Seen with torch 2.13, transformers 5.23.
         supports.discard("float_mask")
@@ -476,10 +520,15 @@ def attention_ref_triton() -> Adapter:
                    description="attention_ref backend='triton'" + ("" if cuda else " (Triton's interpreter)"))
 
 
+#: The adapters whose kernel torch has on CUDA only (building one without CUDA raises RuntimeError).
+CUDA_ONLY = frozenset({"torch-sdpa-efficient", "torch-sdpa-cudnn"})
+
 #: Every shipped adapter by name, as a function that builds it.
 SHIPPED: dict[str, Callable[[], Adapter]] = {
     "torch-sdpa-math": torch_sdpa_math,
     "torch-sdpa-flash": torch_sdpa_flash,
+    "torch-sdpa-efficient": torch_sdpa_efficient,
+    "torch-sdpa-cudnn": torch_sdpa_cudnn,
     "torch-flex": torch_flex,
     "torch-flex-compiled": torch_flex_compiled,
     "torch-multihead": torch_multihead,
