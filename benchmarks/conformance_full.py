@@ -44,7 +44,7 @@ from attention_bench import _load, provenance  # noqa: E402
 
 from attention_ref import conformance  # noqa: E402
 from attention_ref.conformance import shipped  # noqa: E402
-from attention_ref.conformance.runner import run_case, versions  # noqa: E402
+from attention_ref.conformance.runner import _progress, run_case, versions  # noqa: E402
 
 DEFAULT_ADAPTERS = [name for name in shipped.SHIPPED
                     if not name.endswith("-compiled") and (torch.cuda.is_available() or name not in shipped.CUDA_ONLY)]
@@ -54,9 +54,19 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _run_adapter(name: str, size: str, device: torch.device, progress: bool, deadline: float | None) -> dict:
-    """One adapter's report as a dict (``not_run`` when it cannot be built here; ``not_reached`` cases
-    were not started because ``deadline``, a ``time.time()``, had passed)."""
+#: A CUDA error after which the process's CUDA context is lost: every later call would fail too.
+_CONTEXT_LOST = ("device-side assert", "illegal memory access", "unspecified launch failure")
+
+
+def _run_adapter(name: str, size: str, device: torch.device, progress: bool, deadline: float | None,
+                 shard: tuple[int, int] = (0, 1), after: str | None = None) -> dict:
+    """One adapter's report as a dict: the cases of ``shard`` ``(k, n)`` (every n-th from the k-th), after the
+    case ``after`` when given, one by one until ``deadline`` (a ``time.time()``) or until the CUDA context is lost.
+
+    ``not_run``: the adapter cannot be built here. ``not_reached``: cases not started (the deadline had passed,
+    or the context was lost). ``context_lost_at``: the case whose error lost the CUDA context (a device-side
+    assert, say); `_run_in_processes` goes on in a new process from the case after it.
+    """
     try:
         adapter = shipped.SHIPPED[name]()
     except (ImportError, RuntimeError) as error:  # a library that is not installed, or no way to run
@@ -69,26 +79,51 @@ def _run_adapter(name: str, size: str, device: torch.device, progress: bool, dea
 
         _dynamo.config.recompile_limit = _dynamo.config.accumulated_recompile_limit = 4096
         _dynamo.config.fail_on_recompile_limit_hit = True
-    if deadline is None:
-        report = conformance.run(adapter, size, progress=progress, device=device)
-        not_reached = 0
-    else:  # case by case, none started after the deadline
-        cases, results, start = conformance.matrix(size), [], time.perf_counter()
-        for case in cases:
-            if time.time() >= deadline:
-                break
-            results.append(run_case(adapter, case, device))
-        report = conformance.Report(adapter.name, adapter.description, size, str(torch.device(device)), results,
-                                    versions(), time.perf_counter() - start)
-        not_reached = len(cases) - len(results)
-    _say(report.summary() + (f"; {not_reached} cases not reached by --max-wall-s" if not_reached else ""))
+    k, n = shard
+    cases = conformance.matrix(size)[k::n]
+    if after is not None:
+        cases = cases[[case.id for case in cases].index(after) + 1:]
+    results, lost, start = [], None, time.perf_counter()
+    for case in _progress(cases, name, progress):
+        if deadline is not None and time.time() >= deadline:
+            break
+        result = run_case(adapter, case, device)
+        results.append(result)
+        if result.status == "error" and any(words in result.detail for words in _CONTEXT_LOST):
+            lost = case.id
+            break
+    report = conformance.Report(adapter.name, adapter.description, size, str(torch.device(device)), results,
+                                versions(), time.perf_counter() - start)
+    not_reached = len(cases) - len(results)
+    _say(report.summary() + (f" (shard {k + 1}/{n})" if n > 1 else "")
+         + (f"; the CUDA context was lost at {lost}" if lost else "")
+         + (f"; {not_reached} cases not reached" if not_reached else ""))
     for problem in report.problems():
         _say(f"    {problem.id}: {problem.status}: {problem.detail.strip().splitlines()[0]}")
-    return dict(report.to_dict(), not_reached=not_reached)
+    return dict(report.to_dict(), not_reached=not_reached, context_lost_at=[lost] if lost else [])
+
+
+def _merge(parts: list[dict], size: str) -> dict:
+    """One adapter's report from the reports of its shards and resumed processes, its cases in matrix order."""
+    done = [part for part in parts if "results" in part]
+    if not done:
+        return parts[0]
+    order = {case.id: i for i, case in enumerate(conformance.matrix(size))}
+    results = sorted((r for part in done for r in part["results"]), key=lambda r: order[r["id"]])
+    merged = dict(done[0], results=results, seconds=round(sum(part["seconds"] for part in done), 3),
+                  counts={status: sum(r["status"] == status for r in results) for status in done[0]["counts"]},
+                  context_lost_at=[i for part in done for i in part["context_lost_at"]], processes=len(parts))
+    # a resumed process's cases were counted as not reached by the one before it
+    merged["not_reached"] = len(order) - len(results)
+    crashed = [part["not_run"] for part in parts if "not_run" in part]
+    if crashed:
+        merged["processes_lost"] = crashed
+    return merged
 
 
 def _run_in_processes(args: argparse.Namespace) -> dict:
-    """Each adapter in a process of its own, ``args.jobs`` at a time; their reports in ``args.adapters``' order."""
+    """Each adapter in ``args.shards`` processes, ``args.jobs`` at a time; a process whose CUDA context was lost
+    is followed by one that goes on from the next case. The reports in ``args.adapters``' order."""
     import subprocess
     import tempfile
 
@@ -97,25 +132,32 @@ def _run_in_processes(args: argparse.Namespace) -> dict:
         own += ["--deadline", repr(args.deadline)]
     if args.threads is not None:
         own += ["--threads", str(args.threads)]
-    reports: dict = {}
+    parts: dict[str, list[dict]] = {name: [] for name in args.adapters}
     with tempfile.TemporaryDirectory() as tmp:
-        waiting, running = list(args.adapters), {}
+        waiting = [(name, k, None) for name in args.adapters for k in range(args.shards)]
+        running: dict = {}
         while waiting or running:
             while waiting and len(running) < args.jobs:
-                name = waiting.pop(0)
-                out = Path(tmp) / f"{name}.json"
-                cmd = [sys.executable, __file__, *own, "--adapters", name, "--out", str(out)]
-                running[name] = (subprocess.Popen(cmd), out)
-            for name, (proc, out) in list(running.items()):
+                name, k, after = task = waiting.pop(0)
+                out = Path(tmp) / f"{name}-{k}-{len(parts[name])}-{len(running)}.json"
+                cmd = [sys.executable, __file__, *own, "--adapters", name, "--shard", f"{k}/{args.shards}",
+                       "--out", str(out)] + (["--resume-after", after] if after else [])
+                running[task] = (subprocess.Popen(cmd), out)
+            for task, (proc, out) in list(running.items()):
                 if proc.poll() is None:
                     continue
-                del running[name]
+                del running[task]
+                name, k, _ = task
                 if out.exists():
-                    reports[name] = json.loads(out.read_text())["reports"][name]
+                    part = json.loads(out.read_text())["reports"][name]
+                    lost = part.get("context_lost_at")
+                    if lost and part.get("not_reached"):
+                        waiting.insert(0, (name, k, lost[-1]))
                 else:  # the process died before writing (a crash of the kernel, say): recorded, not lost
-                    reports[name] = {"adapter": name, "not_run": f"its process exited with {proc.returncode}"}
+                    part = {"adapter": name, "not_run": f"shard {k}: its process exited with {proc.returncode}"}
+                parts[name].append(part)
             time.sleep(0.2)
-    return {name: reports[name] for name in args.adapters}
+    return {name: _merge(parts[name], args.size) for name in args.adapters}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="adapters run at a time, one process each (default 1)")
     parser.add_argument("--max-wall-s", type=float, default=None,
                         help="start no case after this many seconds (the record counts the cases not reached)")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="split each adapter's cases over this many processes (with --jobs; default 1)")
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # --max-wall-s, for children
+    parser.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)  # k/n: a child's share of the cases
+    parser.add_argument("--resume-after", default=None, help=argparse.SUPPRESS)  # a child's first case follows this
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/conformance",
                         help="a directory (conformance-<device>-<date>.json is written there) or a .json path")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -149,10 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         args.deadline = time.time() + args.max_wall_s
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    record["config"]["jobs"] = args.jobs
+    record["config"].update(jobs=args.jobs, shards=args.shards)
     start = time.perf_counter()
-    if args.jobs == 1 or len(args.adapters) == 1:
-        reports = {name: _run_adapter(name, args.size, device, not args.no_progress, args.deadline)
+    if args.shards < 1:
+        parser.error(f"--shards must be at least 1, got {args.shards}")
+    shard = tuple(int(x) for x in args.shard.split("/"))
+    if (args.jobs == 1 and args.shards == 1) or shard != (0, 1) or args.resume_after:
+        reports = {name: _run_adapter(name, args.size, device, not args.no_progress, args.deadline, shard,
+                                      args.resume_after)
                    for name in args.adapters}
     else:
         reports = _run_in_processes(args)

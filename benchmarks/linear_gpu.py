@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="warm calls of a slow case (median reported)")
     parser.add_argument("--budget", type=float, default=90.0,
                         help="seconds from the start; cases after this are skipped (see above)")
+    parser.add_argument("--no-check", action="store_true", help="skip the correctness part (timings only)")
     parser.add_argument("--quick", action="store_true", help="toy sizes on the CPU, seconds: the smoke test")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/linear",
                         help="a directory (linear-gpu-<date>.json is written there) or a .json path")
@@ -253,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
          f"{device}; fla: {fla_status}")
     x, outputs = make_inputs(args.check_length, args.heads, args.dim, dtype, device, seed=0), {}
     for name in (*OURS, *FLA):  # ours first: fla's rows also give their distance from ours
+        if args.no_check:
+            record["correctness"][name] = {"status": "skipped: --no-check"}
+            continue
         run(record["correctness"], name, check, name, fns.get(name), x, device, outputs)
     outputs.clear()
     for T in args.lengths:
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 - recorded, the next length may still fit
             rows["error"] = repr(error)
             continue
-        for name in (*FLA, *OURS):
+        for name in (*OURS, *FLA):  # ours first: fla's first call at a new T may autotune for a minute
             compiled = name in FLA and record["correctness"][name].get("status") in ("passed", "failed")
             run(rows, name, measure, fns.get(name), x, device, args.reps, min(20.0, args.budget / 4), cheap=compiled)
         for ours, fla in zip(OURS, FLA):

@@ -295,7 +295,9 @@ class Inputs:
             score_mods.append(mods.softcap(args["softcap"]))
         if args.get("alibi_slopes") is not None:
             score_mods.append(mods.alibi(H))
-        mask_mods = [args.pop("extra_mask_mod")] if "extra_mask_mod" in args else []
+        # a mod that reads the case's index tensors is made from them on ``device``: one made
+        # on the CPU would index CPU tensors with the kernel's device indices
+        mask_mods = [args.pop("mask_mod_from")(args)] if "mask_mod_from" in args else []
         L, S = mask_shape[-2:]
         if causal == "bottom_right" and args.get("cu_seqlens_q") is None and paged is None:
             mask_mods.append(mods.causal(offset=S - L))
@@ -517,7 +519,7 @@ def _varlen(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...], causal: bool
         "cu_seqlens_k": cu_k.to(torch.int32),
         "max_seqlen_q": max(lengths_q),
         "max_seqlen_k": max(lengths_k),
-        "extra_mask_mod": varlen_mask_mod(cu_q, cu_k, is_causal=causal),
+        "mask_mod_from": lambda a: varlen_mask_mod(a["cu_seqlens_q"], a["cu_seqlens_k"], is_causal=causal),
     }
 
 
@@ -555,10 +557,15 @@ def _paged(Lq: int, causal: bool, z: _Sizes, g: torch.Generator) -> dict:
     dense_k = dense_k * valid[:, None, :, None]  # zeros past each length, so nothing stale is judged
     dense_v = dense_v * valid[:, None, :, None]
 
-    def paged_cache_mask_mod(b, h, q_idx, kv_idx):
-        n = lengths[b]
-        keep = kv_idx < n
-        return keep & (kv_idx <= q_idx + n - Lq) if causal else keep
+    def paged_cache_mask_mod_from(args: dict):
+        cache_seqlens = args["cache_seqlens"]  # (B,) on the case's device
+
+        def paged_cache_mask_mod(b, h, q_idx, kv_idx):
+            n = cache_seqlens[b]
+            keep = kv_idx < n
+            return keep & (kv_idx <= q_idx + n - Lq) if causal else keep
+
+        return paged_cache_mask_mod
 
     return {
         "query": query,
@@ -568,7 +575,7 @@ def _paged(Lq: int, causal: bool, z: _Sizes, g: torch.Generator) -> dict:
         "causal": "bottom_right" if causal else None,
         "block_table": table,
         "cache_seqlens": lengths.to(torch.int32),
-        "extra_mask_mod": paged_cache_mask_mod,
+        "mask_mod_from": paged_cache_mask_mod_from,
         "paged": {"key_pool": key_pool, "value_pool": value_pool},
     }
 
