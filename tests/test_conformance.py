@@ -321,6 +321,9 @@ def test_the_report_as_summary_table_json_and_matrix():
     data = json.loads(report.to_json())
     assert data["counts"]["passed"] == 2 and data["versions"]["torch"] == torch.__version__
     assert [r["id"] for r in data["results"]] == [r.id for r in report.results]
+    again = conformance.Report.from_dict(data)  # a committed run read back, as the Conformance page does
+    assert again.results == report.results and again.versions == report.versions
+    assert again.summary() == report.summary().rsplit(" in ", 1)[0] + f" in {round(report.seconds, 3):.1f} s"
     assert conformance.agreement_matrix([report]).splitlines() == [
         "| scenario | torch-sdpa-math |", "|---|---|", "| plain | ok |", "| causal | ok |", "| sinks | - |"]
 
@@ -388,3 +391,47 @@ def test_the_full_run_script_writes_json_with_provenance(tmp_path):
     assert record["provenance"]["versions"]["torch"] == torch.__version__ and "git_commit" in record["provenance"]
     assert record["config"]["cases"] == 88
     assert record["summary"]["attention_ref-tiled"]["passed"] == 88
+
+
+# ---- a kernel's own refusal ----------------------------------------------------------------------------------
+
+
+def test_a_kernel_that_refuses_an_input_is_skipped_with_its_reason_and_anything_else_is_an_error():
+    base = shipped.torch_sdpa_math()
+
+    def refuses_masks(p):
+        if p.attn_mask is not None:
+            raise conformance.Unsupported("no masks here")
+        if p.scale is not None:
+            raise RuntimeError("No available kernel, but not Unsupported: an error")
+        return base.call(p)
+
+    adapter = conformance.Adapter("picky", refuses_masks, supports=base.supports)
+    ids = ["bool_mask-float32-fwd-small", "scale-float32-fwd-small", "plain-float32-fwd-small"]
+    statuses = {r.id: (r.status, r.detail) for r in conformance.run(adapter, select=ids).results}
+    assert statuses["bool_mask-float32-fwd-small"] == ("skipped", "refused by the kernel: no masks here")
+    assert statuses["scale-float32-fwd-small"][0] == "error"
+    assert statuses["plain-float32-fwd-small"] == ("passed", "")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+@pytest.mark.parametrize("name", sorted(shipped.CUDA_ONLY))
+def test_torchs_cuda_only_kernels_say_so_on_a_cpu(name):
+    with pytest.raises(RuntimeError, match=f"{name}: torch has this SDPA kernel on CUDA only"):
+        shipped.SHIPPED[name]()
+
+
+def test_torchs_no_available_kernel_becomes_a_refusal_with_torchs_reasons(monkeypatch):
+    import torch.nn.functional as F
+
+    def no_kernel(*args, **kwargs):
+        import warnings
+
+        warnings.warn("Flash attention does not support the attn_mask argument.", UserWarning)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", no_kernel)
+    (result,) = conformance.run(shipped.torch_sdpa_flash(), select=["bool_mask-float32-fwd-small"]).results
+    assert result.status == "skipped"
+    assert result.detail == ("refused by the kernel: torch FLASH_ATTENTION: "
+                             "Flash attention does not support the attn_mask argument.")

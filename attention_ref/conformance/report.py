@@ -108,6 +108,12 @@ class Report:
             "results": [asdict(r) for r in self.results],
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Report:
+        """The `Report` that `to_dict` wrote (a committed run, say); other keys are ignored."""
+        return cls(data["adapter"], data["description"], data["size"], data["device"],
+                   [CaseResult(**result) for result in data["results"]], dict(data["versions"]), data["seconds"])
+
     def to_json(self, indent: int | None = 1) -> str:
         """`to_dict` as JSON."""
         return json.dumps(self.to_dict(), indent=indent)

@@ -360,7 +360,7 @@ def _hf_flex_call(compiled: bool) -> Callable[[Problem], torch.Tensor]:
         with _transformers_flex_uncompiled(not compiled), warnings.catch_warnings():
             warnings.filterwarnings("ignore", _FLEX_UNFUSED, UserWarning)
             out, _ = flex_attention_forward(_hf_module(p), q, k, v, attention_mask, scaling=p.scale,
-                                            softcap=p.softcap, position_bias=bias)
+                                            softcap=p.softcap, s_aux=p.sinks, position_bias=bias)
         return out[0] if packed else out
 
     return call
