@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds from the start; cases after this are skipped (see above)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness part (timings only)")
     parser.add_argument("--quick", action="store_true", help="toy sizes on the CPU, seconds: the smoke test")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/linear",
-                        help="a directory (linear-gpu-<date>.json is written there) or a .json path")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/linear-gpu",
+                        help="a directory (fla-<date>.json is written there) or a .json path")
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--quick" in argv:  # toy sizes by default; options given on the command line still win
         parser.set_defaults(**QUICK)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    out = args.out if args.out.suffix == ".json" else args.out / f"linear-gpu-{dt.date.today().isoformat()}.json"
+    out = args.out if args.out.suffix == ".json" else args.out / f"fla-{dt.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     fla_fns, fla_status = load_fla(device)
     record: dict = {"provenance": provenance(device, argv)}
