@@ -70,7 +70,27 @@ def pytest_configure(config: pytest.Config) -> None:
 _DEVICE = pytest.StashKey[str]()
 
 
+#: Test files whose tests share nothing costly (no module-scoped fixture): under pytest-xdist
+#: they are handed out one test at a time. Every other file runs whole on one worker, so its
+#: module fixtures run once and a page's blocks run in order in one namespace; the built-site
+#: tests all run on one worker (one server, on the port the site was built for).
+SPREAD_FILES = frozenset({"tests/docs/test_shown_code.py", "tests/docs/test_figure_captions.py"})
+
+
+def xdist_group(nodeid: str) -> str | None:
+    """The pytest-xdist group of a test (``--dist loadgroup``): its file, ``"site"``, or None (spread)."""
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/site/"):
+        return "site"
+    return None if path in SPREAD_FILES else path
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            group = xdist_group(item.nodeid)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
     if config.stash[_DEVICE] == "cpu":
         return
     for item in items:

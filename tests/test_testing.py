@@ -634,7 +634,8 @@ def test_the_rounding_term_does_not_let_a_float32_scale_off_by_a_ten_thousandth_
 
 
 def test_no_row_is_allowed_more_than_flash_attentions_global_bound():
-    """Noise of growing size on a right kernel: wherever the global rule fails it, the row rule does."""
+    """Noise of growing size on a right kernel: wherever the global rule fails it, the row rule does (the
+    rounding term, which may exceed the global bound, is float32 rounding: far below this noise)."""
     q, k, v = make_inputs(torch.float16)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True).double()
     noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
