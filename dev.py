@@ -160,7 +160,62 @@ def pytest_counts(junit: Path) -> dict[str, int]:
     return counts
 
 
+def parallel(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """pytest-xdist's options: ``--jobs`` workers (default: one per core), each test file (and each
+    page's blocks) on one worker; none when the caller chose (-n, -p no:xdist) or --jobs 1."""
+    if args.jobs == 1 or any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses="))
+                             for a in extra):
+        return []
+    return ["-n", str(workers(args)), "--dist", "loadfile"]
+
+
+def cores() -> int:
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def workers(args: argparse.Namespace) -> int:
+    """pytest-xdist workers: ``--jobs``, else one per core."""
+    return args.jobs or cores()
+
+
+def test_env(args: argparse.Namespace, extra: list[str], env: dict[str, str]) -> dict[str, str]:
+    """``env`` with each pytest-xdist worker's share of the cores as its torch threads (OMP_NUM_THREADS,
+    unless set): two workers with two threads each on two cores ran the tests 20% faster than one
+    worker, where one thread each runs them nearly twice as fast. A test that needs more threads sets them."""
+    if not parallel(args, extra) or "OMP_NUM_THREADS" in env:
+        return env
+    return dict(env, OMP_NUM_THREADS=str(max(1, cores() // workers(args))))
+
+
+#: What ``check --quick`` leaves out: the pages (executed by tests/docs and checked in a browser by
+#: tests/site) and the strict build. Everything else runs.
+QUICK_IGNORES = ["--ignore=tests/docs", "--ignore=tests/site"]
+
+
+def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
+    """The development loop's tier: the unit and property tests and doctests, in parallel."""
+    start = time.perf_counter()
+    set_up = setup()
+    cmd = [str(PYTHON), "-m", "pytest", *parallel(args, extra), *QUICK_IGNORES, *extra]
+    say("quick tier: unit and property tests and doctests (no site build, no pages, no browser)")
+    say("$ " + " ".join(cmd))
+    tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, dict(os.environ)))
+    print()
+    say("summary (quick: `python3 dev.py check` runs everything, as CI does)")
+    print(f"  {'set-up':<13} {'ok':<7} {set_up:7.1f} s")
+    print(f"  {'pytest':<13} {'ok' if tests.returncode == 0 else 'FAILED':<7} "
+          f"{time.perf_counter() - start - set_up:7.1f} s   (the pages and the site not checked)")
+    return tests.returncode
+
+
 def check(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.jobs is not None and args.jobs < 1:
+        raise SystemExit(f"dev.py check: --jobs must be at least 1, got {args.jobs}")
+    if args.quick:
+        if args.site_dir:
+            raise SystemExit("dev.py check: --quick builds no site, so --site-dir has nothing to keep")
+        return check_quick(args, extra)
     total_start = time.perf_counter()
     results: list[tuple[str, bool | None, float, str]] = []
     results.append(("set-up", True, setup(), "venv, pinned packages, KaTeX assets"))
@@ -189,7 +244,7 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         results.append(("strict build", build_ok, time.perf_counter() - start,
                         f"{pages} pages" if build_ok else "FAILED: see the log above"))
 
-        cmd = [str(PYTHON), "-m", "pytest", f"--junitxml={Path(tmp) / 'junit.xml'}"]
+        cmd = [str(PYTHON), "-m", "pytest", f"--junitxml={Path(tmp) / 'junit.xml'}", *parallel(args, extra)]
         if build_ok:
             env["ATTENTION_REF_BUILT_SITE"] = str(site)  # the site tests use this very build
         else:
@@ -198,7 +253,7 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         say("pytest: unit tests, doctests, docs blocks" + (", built-site tests" if build_ok else ""))
         say("$ " + " ".join(cmd))
         start = time.perf_counter()
-        tests = subprocess.run(cmd, cwd=ROOT, env=env)
+        tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, env))
         n = pytest_counts(Path(tmp) / "junit.xml")
         passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
         results.append(("pytest", tests.returncode == 0, time.perf_counter() - start,
@@ -228,6 +283,11 @@ def main() -> int:
     p_serve.set_defaults(func=serve)
     p_check = sub.add_parser("check", help="set up, then run every check",
                              description="Extra arguments go to pytest (e.g. -k masks, -x).")
+    p_check.add_argument("--quick", action="store_true",
+                         help="the development loop: no site build, no docs pages, no browser; the unit "
+                         "and property tests and doctests only (CI runs everything)")
+    p_check.add_argument("--jobs", type=int, default=None,
+                         help="pytest-xdist workers (default: one per core; 1: none)")
     p_check.add_argument("--site-dir", help="build the site into this folder and keep it "
                          "(the docs workflow publishes the folder it tested)")
     p_check.set_defaults(func=check)

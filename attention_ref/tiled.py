@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +98,8 @@ _PIECE_CACHE_BYTES = 64 * 2**20
 #: shares its core with another process stalls every one of them (benchmarks/block_mask_bench.py
 #: measured the tiled path 2.0x faster on one thread than on two with one of two cores busy).
 ADAPT_THREADS = True
-#: Calls with fewer (query, key) pairs than this keep their threads (the check costs ~0.1 ms).
+#: Calls with fewer (query, key) pairs than this keep their threads (the check costs ~0.1 ms, 2 ms more
+#: when a core looks busy).
 _ADAPT_MIN_PAIRS = 2**22
 
 
@@ -120,9 +122,26 @@ def _own_running() -> int:
     return own
 
 
+#: Seconds between the readings of `_others_running`: a task that runs for less than this
+#: (a short-lived process, this process's OpenMP workers spinning down) is not load.
+_READING_GAP_S = 0.001
+
+
 def _others_running() -> int:
-    """Runnable tasks of other processes right now: the machine's least of three readings minus this process's."""
-    return max(min(_runnable() for _ in range(3)) - _own_running(), 0)
+    """Runnable tasks of other processes right now: the least of three paired readings, a millisecond
+    apart, of the machine's runnable tasks minus this process's own at that moment.
+
+    A process that keeps a core busy shows in every reading; a passing task, or this process's
+    OpenMP workers still spinning just after a parallel region, does not (read back to back, the
+    three readings counted them, and a quiet call ran at 0.47x: issue 30).
+    """
+    least = _runnable() - _own_running()
+    for _ in range(2):
+        if least <= 0:
+            break
+        time.sleep(_READING_GAP_S)
+        least = min(least, _runnable() - _own_running())
+    return max(least, 0)
 
 
 def fitting_threads() -> int | None:

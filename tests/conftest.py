@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import serving  # tests/serving.py
+
 # On a machine without CUDA, Triton kernels can only run under Triton's interpreter, and
 # TRITON_INTERPRET=1 must be set before triton is first imported in the process (the docs
 # blocks collected by tests/docs call the kernel in this process). torch does not import triton.
@@ -52,7 +54,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _xdist_controller(config: pytest.Config) -> bool:
+    """Whether this process hands tests to pytest-xdist workers (``-n N``, N > 0)."""
+    return (config.pluginmanager.hasplugin("xdist") and bool(getattr(config.option, "numprocesses", None))
+            and not hasattr(config, "workerinput"))
+
+
+def _serve_for_the_workers(config: pytest.Config) -> None:
+    """Under pytest-xdist, serve a given built site once, here, for every worker's browser tests.
+
+    It must be served on the one port it was built for, so the workers cannot each serve it.
+    (``python3 dev.py check`` runs pytest-xdist with ``--dist loadfile``: each test file, and
+    each page's blocks, on one worker, so module fixtures run once and a page's blocks run in
+    order in one namespace. Its ``loadgroup`` cannot group tests under pytest 9: xdist 3.8
+    renames nodes through an attribute pytest 9 no longer reads.)
+    """
+    site = os.environ.get("ATTENTION_REF_BUILT_SITE")
+    if not site or not _xdist_controller(config) or os.environ.get(serving.SERVED_AT):
+        return
+    url, stop = serving.serve(Path(site))
+    os.environ[serving.SERVED_AT] = url  # the workers start after this and inherit it
+
+    def cleanup() -> None:
+        stop()
+        os.environ.pop(serving.SERVED_AT, None)
+
+    config.add_cleanup(cleanup)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _serve_for_the_workers(config)
     config.addinivalue_line(
         "markers", "cpu_only(reason): a test of CPU behaviour, skipped when --device is cuda"
     )
@@ -70,27 +101,22 @@ def pytest_configure(config: pytest.Config) -> None:
 _DEVICE = pytest.StashKey[str]()
 
 
-#: Test files whose tests share nothing costly (no module-scoped fixture): under pytest-xdist
-#: they are handed out one test at a time. Every other file runs whole on one worker, so its
-#: module fixtures run once and a page's blocks run in order in one namespace; the built-site
-#: tests all run on one worker (one server, on the port the site was built for).
-SPREAD_FILES = frozenset({"tests/docs/test_shown_code.py", "tests/docs/test_figure_captions.py"})
+#: The longest test files (each a few minutes of one core), run first under pytest-xdist: its
+#: ``loadfile`` hands out whole files in collection order, so a long file collected last kept one
+#: worker busy alone at the end (measured on 2 cores: the last 2 minutes of a 6-minute run).
+LONGEST_FIRST = ("tests/site/test_browser.py", "tests/docs/test_shown_code.py", "tests/site/test_fresh_notebooks.py",
+                 "tests/site/test_teaching.py", "tests/site/test_explorer.py", "tests/test_conformance.py")
 
 
-def xdist_group(nodeid: str) -> str | None:
-    """The pytest-xdist group of a test (``--dist loadgroup``): its file, ``"site"``, or None (spread)."""
-    path = nodeid.split("::")[0]
-    if path.startswith("tests/site/"):
-        return "site"
-    return None if path in SPREAD_FILES else path
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: the files of `LONGEST_FIRST` first, in that order, each file's tests as they were."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            group = xdist_group(item.nodeid)
-            if group is not None:
-                item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker sorts alike
+        _longest_first(items)
     if config.stash[_DEVICE] == "cpu":
         return
     for item in items:

@@ -25,18 +25,16 @@
 
 from __future__ import annotations
 
-import functools
-import http.server
 import os
 import socket
 import subprocess
 import sys
-import threading
 import urllib.parse
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+import serving  # tests/serving.py: tests/ is on sys.path (pytest's rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path(os.environ.get("ATTENTION_REF_CHROMIUM", "/usr/bin/chromium"))
@@ -44,7 +42,6 @@ CHROMIUM_FLAGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-SITEMAP_NS = "{http://www.sitemaps.org/schemas/sitemap/0.9}"
 
 
 def free_port() -> int:
@@ -74,44 +71,21 @@ def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
-def built_site_url(site: Path) -> str:
-    """The site_url the site was built with: the first <loc> of its sitemap (the home page)."""
-    root = ET.parse(site / "sitemap.xml").getroot()
-    return root.find(f"{SITEMAP_NS}url/{SITEMAP_NS}loc").text.strip()
-
-
-class _Handler(http.server.SimpleHTTPRequestHandler):
-    prefix = "/"
-
-    def translate_path(self, path: str) -> str:
-        if not path.startswith(self.prefix):
-            return str(Path(self.directory) / "__outside_the_site__")  # -> 404
-        return super().translate_path("/" + path[len(self.prefix):])
-
-    def log_message(self, format, *args):  # keep the test output clean
-        pass
-
-
 @pytest.fixture(scope="session")
 def site_url(built_site: Path):
-    built_for = urllib.parse.urlsplit(built_site_url(built_site))
-    prefix = built_for.path if built_for.path.endswith("/") else built_for.path + "/"
-    port = built_for.port or 80  # Material swaps in the page's protocol but keeps the port
-    handler = type("Handler", (_Handler,), {"prefix": prefix})
+    served = os.environ.get(serving.SERVED_AT)  # pytest-xdist: the controller serves it for every worker
+    if served:
+        if served != serving.built_site_url(built_site):
+            pytest.fail(f"{serving.SERVED_AT}={served}, but the site was built for "
+                        f"{serving.built_site_url(built_site)}", pytrace=False)
+        yield served
+        return
     try:
-        server = http.server.ThreadingHTTPServer(
-            ("127.0.0.1", port), functools.partial(handler, directory=str(built_site)))
+        url, stop = serving.serve(built_site)
     except OSError as error:
-        pytest.fail(
-            f"the site was built for {built_for.geturl()} and must be served at 127.0.0.1:{port}"
-            f"{prefix} for Material's instant navigation to work, but that port is not "
-            f"available ({error}). Build it for a free local port instead: "
-            "ATTENTION_REF_SITE_URL=http://127.0.0.1:<port>/ mkdocs build --strict", pytrace=False)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}{prefix}"
-    server.shutdown()
-    server.server_close()
+        pytest.fail(str(error), pytrace=False)
+    yield url
+    stop()
 
 
 @pytest.fixture(scope="session")
