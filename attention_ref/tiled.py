@@ -98,7 +98,7 @@ _PIECE_CACHE_BYTES = 64 * 2**20
 #: shares its core with another process stalls every one of them (benchmarks/block_mask_bench.py
 #: measured the tiled path 2.0x faster on one thread than on two with one of two cores busy).
 ADAPT_THREADS = True
-#: Calls with fewer (query, key) pairs than this keep their threads (the check costs ~0.1 ms, 2 ms more
+#: Calls with fewer (query, key) pairs than this keep their threads (the check costs ~0.1 ms, 8 ms more
 #: when a core looks busy).
 _ADAPT_MIN_PAIRS = 2**22
 
@@ -122,14 +122,15 @@ def _own_running() -> int:
     return own
 
 
-#: Seconds between the readings of `_others_running`: a task that runs for less than this
-#: (a short-lived process, this process's OpenMP workers spinning down) is not load.
-_READING_GAP_S = 0.001
+#: Seconds between the readings of `_others_running`: a task that runs for less than twice this
+#: (a short-lived process, this process's OpenMP workers spinning down) is not load. At 1 ms, a
+#: quiet process still chose one thread in 1 of 40 calls now and then (benchmarks/threads_bench.py).
+_READING_GAP_S = 0.004
 
 
 def _others_running() -> int:
-    """Runnable tasks of other processes right now: the least of three paired readings, a millisecond
-    apart, of the machine's runnable tasks minus this process's own at that moment.
+    """Runnable tasks of other processes right now: the least of three paired readings, 4 ms apart,
+    of the machine's runnable tasks minus this process's own at that moment.
 
     A process that keeps a core busy shows in every reading; a passing task, or this process's
     OpenMP workers still spinning just after a parallel region, does not (read back to back, the
