@@ -209,6 +209,18 @@ def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
     return tests.returncode
 
 
+def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], which: list[str],
+               junit: Path) -> tuple[int, str]:
+    """Run pytest on ``which`` (arguments naming the tests) and the caller's ``extra``: its exit status and counts."""
+    cmd = [str(PYTHON), "-m", "pytest", f"--junitxml={junit}", *parallel(args, extra), *which, *extra]
+    say("$ " + " ".join(cmd))
+    tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, env))
+    n = pytest_counts(junit)
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    return tests.returncode, (f"{passed} passed, {n['failures']} failed, {n['errors']} errors, "
+                              f"{n['skipped']} skipped (details: the 'short test summary' above)")
+
+
 def check(args: argparse.Namespace, extra: list[str]) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise SystemExit(f"dev.py check: --jobs must be at least 1, got {args.jobs}")
@@ -235,30 +247,46 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         # workflow does): the site tests serve the build at the address it was built for,
         # which Material's instant navigation needs.
         env.setdefault("ATTENTION_REF_SITE_URL", f"http://127.0.0.1:{free_port()}/")
-        say(f"strict build of the docs site for {env['ATTENTION_REF_SITE_URL']} into {site}")
+        build_cmd = [str(BIN / "mkdocs"), "build", "--strict", "-d", str(site)]
+        # With no pytest arguments of the caller's and pytest-xdist on, the build runs beside the tests
+        # that need no site (a build keeps about one core busy), and the site tests follow it.
+        overlap = not extra and bool(parallel(args, extra))
+        say(f"strict build of the docs site for {env['ATTENTION_REF_SITE_URL']} into {site}"
+            + (" (beside the tests that need no site; its log follows when it ends)" if overlap else ""))
         start = time.perf_counter()
-        build = subprocess.run([str(BIN / "mkdocs"), "build", "--strict", "-d", str(site)],
-                               cwd=ROOT, env=env)
-        build_ok = build.returncode == 0
+        build_log = Path(tmp) / "build.log"
+        with build_log.open("w") as log:
+            building = subprocess.Popen(build_cmd, cwd=ROOT, env=env, stdout=log if overlap else None,
+                                        stderr=subprocess.STDOUT if overlap else None)
+            if overlap:
+                tests_start = time.perf_counter()
+                say("pytest, beside the build: unit tests, doctests, docs blocks")
+                returncode, detail = run_pytest(args, extra, env, ["--ignore=tests/site"], Path(tmp) / "junit.xml")
+                results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start, detail)]
+            build_ok = building.wait() == 0
+        build_seconds = time.perf_counter() - start
+        if overlap:
+            print(build_log.read_text(), end="")
         pages = len(list(site.rglob("index.html"))) if build_ok else 0
-        results.append(("strict build", build_ok, time.perf_counter() - start,
+        results.append(("strict build", build_ok, build_seconds,
                         f"{pages} pages" if build_ok else "FAILED: see the log above"))
-
-        cmd = [str(PYTHON), "-m", "pytest", f"--junitxml={Path(tmp) / 'junit.xml'}", *parallel(args, extra)]
         if build_ok:
             env["ATTENTION_REF_BUILT_SITE"] = str(site)  # the site tests use this very build
-        else:
-            cmd.append("--ignore=tests/site")  # they would only rebuild and fail the same way
-        cmd += extra
-        say("pytest: unit tests, doctests, docs blocks" + (", built-site tests" if build_ok else ""))
-        say("$ " + " ".join(cmd))
-        start = time.perf_counter()
-        tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, env))
-        n = pytest_counts(Path(tmp) / "junit.xml")
-        passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
-        results.append(("pytest", tests.returncode == 0, time.perf_counter() - start,
-                        f"{passed} passed, {n['failures']} failed, {n['errors']} errors, "
-                        f"{n['skipped']} skipped (details: the 'short test summary' above)"))
+        if overlap:
+            results += results_tests
+            if build_ok:
+                # by file, as the rest: test by test (--dist load) took 248 s against 220 here, a worker
+                # waiting for the other to make the notebooks' fresh environment
+                say("pytest: built-site tests")
+                start = time.perf_counter()
+                returncode, detail = run_pytest(args, extra, env, ["tests/site"], Path(tmp) / "junit-site.xml")
+                results.append(("site tests", returncode == 0, time.perf_counter() - start, detail))
+        else:  # after the build; without a site the site tests would only rebuild and fail the same way
+            say("pytest: unit tests, doctests, docs blocks" + (", built-site tests" if build_ok else ""))
+            start = time.perf_counter()
+            returncode, detail = run_pytest(args, extra, env, [] if build_ok else ["--ignore=tests/site"],
+                                            Path(tmp) / "junit.xml")
+            results.append(("pytest", returncode == 0, time.perf_counter() - start, detail))
         if not build_ok:
             results.append(("site tests", False, 0.0, "not run: the strict build failed"))
 

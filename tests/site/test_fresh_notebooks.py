@@ -16,11 +16,13 @@ pip's cache for the rest): measured here about 75 s for the install and 70 s for
 notebooks, so it runs only when ``ATTENTION_REF_SLOW_TESTS=1`` or
 ``ATTENTION_REF_FRESH_NOTEBOOKS=1`` is set (``python3 dev.py check`` and ``.ci/run`` pass the
 environment through). ``ATTENTION_REF_FRESH_VENV=DIR`` reuses (or creates) the environment in
-``DIR`` instead of a temporary one, to iterate on the notebooks without reinstalling.
+``DIR`` instead of a temporary one, to iterate on the notebooks without reinstalling; pytest-xdist
+workers given one ``DIR`` share the environment (a lock file: the first makes it, the others wait).
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -90,9 +92,17 @@ def test_the_source_archive_holds_the_install_files_and_the_notebooks(built_site
 def fresh_python(built_site: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = os.environ.get("ATTENTION_REF_FRESH_VENV")
     base = Path(where) if where else tmp_path_factory.mktemp("fresh")
+    base.mkdir(parents=True, exist_ok=True)
+    # pytest-xdist workers given one folder share one environment: the first makes it, the others wait
+    with (base / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fresh_python(built_site, base, bool(where))
+
+
+def _fresh_python(built_site: Path, base: Path, reuse: bool) -> Path:
     venv = base / "venv"
     python = venv / "bin" / "python"
-    if python.exists() and where:
+    if python.exists() and reuse:
         return python
     if (base / "download").exists():
         shutil.rmtree(base / "download")
