@@ -118,6 +118,8 @@ HARMLESS_KEYWORDS: dict[str, str] = {
     "output_router_logits": "what the model returns, not what attention computes",
     "return_dict": "what the model returns, not what attention computes",
     "num_items_in_batch": "the loss's normaliser, not used by attention",
+    "deterministic": "FlashAttention's choice of a backward without atomic adds (ModernBERT passes it): the "
+    "same numbers up to the order of a sum; attention_ref's backward is deterministic anyway",
 }
 
 # Keywords that change attention and that this module does not implement: accepted only as None.

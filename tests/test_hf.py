@@ -335,3 +335,18 @@ def test_minilm_layers_equal_eager():
     assert len(weights) == len(eager.attentions) == 6
     for w, e in zip(weights, eager.attentions):
         torch.testing.assert_close(w.permute(0, 2, 1, 3)[real], e.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-4)
+
+
+def test_modernbert_equals_eager():
+    """ModernBERT passes ``deterministic=`` (FlashAttention's backward flag): accepted, and the masked LM's
+    logits equal eager's, padding included (its local layers' window comes in the mask)."""
+    config = transformers.ModernBertConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                           num_attention_heads=4, max_position_embeddings=64, pad_token_id=PAD,
+                                           global_attn_every_n_layers=2, local_attention=4)
+    torch.manual_seed(0)
+    model = transformers.ModernBertForMaskedLM(config).eval()
+    ids, mask = _batch(padded=True)
+    eager = _run(model, "eager", ids, mask).logits
+    ours = _run(model, NAME, ids, mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], eager[real], atol=1e-5, rtol=1e-5)
