@@ -37,11 +37,13 @@ accumulate): a row whose exact value cancels to near 0, such as ``dq`` of a quer
 that sees one key, can be off by that much in a right kernel however luckily the
 baseline's own order rounded it. ``U_r`` is an a priori bound, so the cap does not
 apply to it: a float32 baseline whose order happens to be more exact than a tiled
-kernel's on every row would otherwise fail the kernel (it did, on two machines). A row whose baseline is
+kernel's on every row would otherwise fail the kernel (it did, on two machines).
+A row whose baseline is
 *degenerate* (not finite, its scores overflowed, or off by a quarter of its own
 magnitude and by more than the typical row) has no estimate of its own: it is
 held to ``factor * F_r + atol`` alone, and the message says so. So no row is
-allowed more than FlashAttention's global rule would allow, and most far less.
+allowed more than the larger of FlashAttention's global rule and its own rounding term
+``factor * U_r + atol``, and most far less.
 
 Float-mask values at or below ``finfo(dtype).min`` count as masked (``-inf``) in
 the reference and the baseline alike: that is what transformers' masks mean by

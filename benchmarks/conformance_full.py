@@ -199,7 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.shards < 1:
         parser.error(f"--shards must be at least 1, got {args.shards}")
-    shard = tuple(int(x) for x in args.shard.split("/"))
+    if args.max_wall_s is not None and args.max_wall_s <= 0:
+        parser.error(f"--max-wall-s must be positive, got {args.max_wall_s}")
+    try:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        assert len(shard) == 2 and 0 <= shard[0] < shard[1]
+    except (ValueError, AssertionError):
+        parser.error(f"--shard must be k/n with 0 <= k < n, got {args.shard!r}")
+    ids = [case.id for case in conformance.matrix(args.size)]
+    if args.resume_after is not None and args.resume_after not in ids:
+        parser.error(f"--resume-after {args.resume_after!r} is no case of the {args.size} matrix")
     if (args.jobs == 1 and args.shards == 1) or shard != (0, 1) or args.resume_after:
         reports = {name: _run_adapter(name, args.size, device, not args.no_progress, args.deadline, shard,
                                       args.resume_after)

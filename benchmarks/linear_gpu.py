@@ -219,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--quick" in argv:  # toy sizes by default; options given on the command line still win
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
+    for name in ("heads", "dim", "check_length", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.lengths) < 1 or args.budget <= 0:
+        parser.error(f"--lengths must be at least 1 and --budget positive, got {args.lengths} and {args.budget}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]

@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=4096, help="L = S")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/threads"))
     args = parser.parse_args(argv)
+    for name in ("pairs", "busy_rounds", "length"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     argv = sys.argv[1:] if argv is None else argv
     record = {"provenance": provenance(torch.device("cpu"), argv), "load_before": _load()}
     record["provenance"]["command"] = " ".join(["python", "benchmarks/threads_bench.py", *argv])

@@ -393,6 +393,58 @@ def test_the_full_run_script_writes_json_with_provenance(tmp_path):
     assert record["summary"]["attention_ref-tiled"]["passed"] == 88
 
 
+def _conformance_full():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import conformance_full
+    finally:
+        sys.path.pop(0)
+    return conformance_full
+
+
+def test_the_full_run_split_over_processes_gives_the_one_process_record(tmp_path):
+    full = _conformance_full()
+    one, split = tmp_path / "one.json", tmp_path / "split.json"
+    base = ["--size", "quick", "--adapters", "attention_ref-math", "torch-sdpa-math", "--no-progress"]
+    assert full.main([*base, "--out", str(one)]) == 0
+    assert full.main([*base, "--jobs", "2", "--shards", "3", "--out", str(split)]) == 0
+    for name in ("attention_ref-math", "torch-sdpa-math"):
+        a, b = (json.loads(p.read_text())["reports"][name] for p in (one, split))
+        assert [(r["id"], r["status"]) for r in a["results"]] == [(r["id"], r["status"]) for r in b["results"]]
+        assert b["processes"] == 3 and b["not_reached"] == 0 and b["counts"] == a["counts"]
+
+
+def test_a_lost_cuda_context_ends_the_process_and_the_next_goes_on_from_the_next_case(monkeypatch):
+    full = _conformance_full()
+    base = shipped.torch_sdpa_math()
+
+    def call(p):
+        if p.scale is not None:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return base.call(p)
+
+    monkeypatch.setitem(shipped.SHIPPED, "asserting", lambda: conformance.Adapter("asserting", call,
+                                                                                    supports=base.supports))
+    first = full._run_adapter("asserting", "quick", torch.device("cpu"), False, None)
+    (lost,) = first["context_lost_at"]
+    assert lost.startswith("scale-") and first["not_reached"] > 0 and first["results"][-1]["status"] == "error"
+    rest = full._run_adapter("asserting", "quick", torch.device("cpu"), False, None, after=lost)
+    merged = full._merge([first, rest], "quick")
+    assert len(merged["context_lost_at"]) >= 2 and merged["processes"] == 2
+    assert [r["id"] for r in merged["results"]][:len(first["results"])] == [r["id"] for r in first["results"]]
+    assert merged["counts"]["error"] == len(merged["context_lost_at"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shards", "0"], "--shards must be at least 1"), (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--max-wall-s", "0"], "--max-wall-s must be positive"), (["--shard", "3/2"], "--shard must be k/n"),
+    (["--resume-after", "nope"], "--resume-after 'nope' is no case")])
+def test_the_full_run_names_a_bad_argument(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _conformance_full().main(["--size", "quick", "--adapters", "torch-sdpa-math", *argv])
+    assert message in capsys.readouterr().err
+
+
 # ---- a kernel's own refusal ----------------------------------------------------------------------------------
 
 

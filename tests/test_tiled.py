@@ -439,3 +439,21 @@ def test_others_running_counts_a_busy_process():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_other_processes_load_is_read_in_pairs_a_few_milliseconds_apart(monkeypatch):
+    """Each reading of the machine's runnable tasks is paired with one of this process's own (its OpenMP
+    workers may be spinning down meanwhile), and a core counts as busy only if every reading, taken
+    `_READING_GAP_S` apart, says so (issue 30: a quiet call ran at 0.47x)."""
+    from attention_ref import tiled
+
+    slept = []
+    monkeypatch.setattr(tiled.time, "sleep", slept.append)
+    machine, own = iter([3, 3, 3]), iter([3, 3, 1])  # our 3 threads runnable, then 2 of them stop
+    monkeypatch.setattr(tiled, "_runnable", lambda: next(machine))
+    monkeypatch.setattr(tiled, "_own_running", lambda: next(own))
+    assert tiled._others_running() == 0 and slept == []  # nothing else runs: one reading, no wait
+    machine, own = iter([4, 4, 2]), iter([1, 1, 1])  # another process, then it ends
+    assert tiled._others_running() == 1 and slept == [tiled._READING_GAP_S] * 2
+    machine, own = iter([3, 3, 3]), iter([1, 1, 1])
+    assert tiled._others_running() == 2  # busy in every reading: it counts
