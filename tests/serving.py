@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import sys
 import threading
 import urllib.parse
 import xml.etree.ElementTree as ET
@@ -40,6 +41,15 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # a browser that closes a connection early (leaving a page mid-load) is no error of the site;
+        # in the pytest-xdist controller nothing captures the traceback, which filled the log
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
+
 def serve(site: Path) -> tuple[str, Callable[[], None]]:
     """Serve ``site`` in a thread at the address it was built for: ``(base URL, stop)``.
 
@@ -51,7 +61,7 @@ def serve(site: Path) -> tuple[str, Callable[[], None]]:
     port = built_for.port or 80  # Material swaps in the page's protocol but keeps the port
     handler = type("Handler", (_Handler,), {"prefix": prefix})
     try:
-        server = http.server.ThreadingHTTPServer(
+        server = _Server(
             ("127.0.0.1", port), functools.partial(handler, directory=str(site)))
     except OSError as error:
         raise OSError(
