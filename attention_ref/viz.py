@@ -2,7 +2,8 @@
 
 The figures need the optional ``matplotlib`` extra (``pip install
 "attention-ref[plot]"``); it is imported on first use, so importing this module
-(and [`explorer_html`][attention_ref.viz.explorer_html], which writes plain HTML) works without it.
+(and [`explorer_html`][attention_ref.viz.explorer_html] and `map_slider_html`, which write plain
+HTML) works without it.
 
 Figures are `Figure` objects made without ``pyplot``:
 making one changes no global state and leaves the backend you chose alone.
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover - only for the annotations
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["explorer_html", "head_grid", "head_grid_html", "heatmap", "heatmaps", "to_svg"]
+__all__ = ["explorer_html", "head_grid", "head_grid_html", "heatmap", "heatmaps", "map_slider_html", "to_svg"]
 
 _INSTALL_HINT = 'pip install "attention-ref[plot]" (or pip install matplotlib)'
 
@@ -1258,3 +1259,264 @@ def explorer_html(
         "</div>",
     ]
     return "".join(parts) + "\n"
+
+
+# map_slider_html: one (L, S) map per frame (a training step, a layer, ...), drawn as an inline SVG whose
+# cells docs/javascripts/map-slider.js recolours. The colours are viridis, the heatmaps' colormap, as 17
+# stops interpolated linearly in RGB, the same arithmetic here and in the script: the static frame this
+# writes and the frame the script draws are the same colours. Sizes in CSS px at the map's own size.
+_RAMP = ("#440154", "#48186a", "#472d7b", "#424086", "#3b528b", "#33638d", "#2c728e", "#26828e", "#21918c",
+         "#1fa088", "#28ae80", "#3fbc73", "#5ec962", "#84d44b", "#addc30", "#d8e219", "#fde725")
+_RAMP_RGB = tuple(tuple(int(c[k:k + 2], 16) for k in (1, 3, 5)) for c in _RAMP)
+_SLIDER_FONT = 12.0  # labels; shown in a phone's 358 px column a 400 px map keeps them at 10.7 px
+_SLIDER_CHAR = 0.62 * _SLIDER_FONT  # the width of one character of a label, estimated
+_SLIDER_WIDTH = 400.0  # the widest map
+_SLIDER_CELL = 40.0  # a cell's side when there is room
+_SLIDER_NUMBERS = 1_000_000  # at most F * L * S weights in one page (2.7 MB of base64)
+
+
+def _ramp_colour(weight: float) -> str:
+    """The colour of ``weight`` in [0, 1] on `_RAMP`, as ``#rrggbb`` (map-slider.js's ``colour``)."""
+    t = min(max(weight, 0.0), 1.0) * (len(_RAMP_RGB) - 1)
+    i = min(math.floor(t), len(_RAMP_RGB) - 2)
+    f = t - i
+    return "#" + "".join(f"{math.floor(a + (b - a) * f + 0.5):02x}" for a, b in zip(_RAMP_RGB[i], _RAMP_RGB[i + 1]))
+
+
+def _slider_svg(element_id: str, last: np.ndarray, rows: list[str], cols: list[str], tokens: list[str] | None,
+                name: str) -> str:
+    """The map as SVG: the ``(L, S)`` weights ``last`` as cells, the ``rows`` down the left, the ``cols``
+    (position ``j=...`` over the key's token, or one rotated line when the tokens are too wide) below,
+    and a 0-1 colour bar. Each cell is ``rect.ar-map-slider-cell`` with ``data-i``, ``data-j``,
+    ``data-weight`` and a ``<title>``, in row-major order."""
+    L, S = last.shape
+    font, char = _SLIDER_FONT, _SLIDER_CHAR
+    left = max(max(map(len, rows)) * char, len("query") * char) + 12
+    right, top = 8.0, font + 10
+    cell = max(min(_SLIDER_CELL, (_SLIDER_WIDTH - left - right) / S), 4.0)  # long labels widen the map instead
+    positions = [f"j={j}" for j in range(S)]
+    two_lines = max(map(len, positions)) * char <= cell - 2 and (
+        tokens is None or max(map(len, tokens)) * char <= cell - 2)
+    if two_lines:  # "j=7" over its token
+        label_h = (2 if tokens is not None else 1) * (font + 3) + 4
+        col_step = 1
+    else:  # "j=7 · token", written upwards
+        label_h = max(map(len, cols)) * char + 8
+        col_step = math.ceil((font + 2) / cell - 1e-9)
+    row_step = math.ceil((font + 2) / cell - 1e-9)
+    grid_w, grid_h = S * cell, L * cell
+    bar_w = max(grid_w, 160.0)
+    bottom = top + grid_h
+    key_y = bottom + label_h + font
+    bar_y = key_y + 8
+    width = left + bar_w + right
+    height = bar_y + 10 + font + 8
+    esc = html.escape
+
+    def n(x: float) -> str:
+        return f"{x:.2f}".rstrip("0").rstrip(".")
+
+    out = [
+        (f'<svg class="ar-map-slider-map" role="img" aria-label="{esc(name)}" xmlns="http://www.w3.org/2000/svg" '
+         f'width="{n(width)}" height="{n(height)}" viewBox="0 0 {n(width)} {n(height)}" '
+         f'style="max-width: 100%; height: auto" font-family="sans-serif" font-size="{n(font)}" fill="currentColor">'),
+        f'<defs><linearGradient id="{element_id}-ramp">'
+        + "".join(f'<stop offset="{n(k / (len(_RAMP) - 1))}" stop-color="{c}"/>' for k, c in enumerate(_RAMP))
+        + "</linearGradient></defs>",
+        f'<text class="ar-map-slider-axis" x="{n(left - 6)}" y="{n(top - 6)}" text-anchor="end">query</text>',
+    ]
+    for i in range(0, L, row_step):
+        out.append(f'<text class="ar-map-slider-row" x="{n(left - 6)}" y="{n(top + (i + 0.5) * cell + 0.35 * font)}" '
+                   f'text-anchor="end">{esc(rows[i])}</text>')
+    out.append('<g class="ar-map-slider-cells">')
+    for i in range(L):
+        for j in range(S):
+            w = float(last[i, j])
+            out.append(f'<rect class="ar-map-slider-cell" data-i="{i}" data-j="{j}" data-weight="{w:.4f}" '
+                       f'x="{n(left + j * cell)}" y="{n(top + i * cell)}" width="{n(cell)}" height="{n(cell)}" '
+                       f'fill="{_ramp_colour(w)}"><title>{esc(rows[i])} \u2192 {esc(cols[j])}: {w:.3f}</title></rect>')
+    out.append("</g>")
+    for j in range(0, S, col_step):
+        x = left + (j + 0.5) * cell
+        if two_lines:
+            out.append(f'<text class="ar-map-slider-col" x="{n(x)}" y="{n(bottom + font + 3)}" '
+                       f'text-anchor="middle">{positions[j]}</text>')
+            if tokens is not None:
+                out.append(f'<text class="ar-map-slider-col" x="{n(x)}" y="{n(bottom + 2 * font + 6)}" '
+                           f'text-anchor="middle">{esc(tokens[j])}</text>')
+        else:
+            out.append(f'<text class="ar-map-slider-col" x="{n(x + 0.35 * font)}" y="{n(bottom + 4)}" '
+                       f'text-anchor="end" transform="rotate(-90 {n(x + 0.35 * font)} {n(bottom + 4)})">'
+                       f"{esc(cols[j])}</text>")
+    out += [
+        f'<text class="ar-map-slider-axis" x="{n(left + grid_w / 2)}" y="{n(key_y)}" text-anchor="middle">key</text>',
+        (f'<rect class="ar-map-slider-bar" x="{n(left)}" y="{n(bar_y)}" width="{n(bar_w)}" height="10" '
+         f'fill="url(#{element_id}-ramp)"/>'),
+        f'<text x="{n(left)}" y="{n(bar_y + 10 + font + 2)}">0</text>',
+        f'<text x="{n(left + bar_w / 2)}" y="{n(bar_y + 10 + font + 2)}" text-anchor="middle">{_WEIGHT_LABEL}</text>',
+        f'<text x="{n(left + bar_w)}" y="{n(bar_y + 10 + font + 2)}" text-anchor="end">1</text>',
+        "</svg>",
+    ]
+    return "\n".join(out)
+
+
+def map_slider_html(
+    maps: object,
+    query_labels: Sequence[object] | None = None,
+    key_labels: Sequence[object] | None = None,
+    *,
+    frame_names: Sequence[object] | None = None,
+    values: object = None,
+    value_name: str | None = None,
+    value_format: str = ".2f",
+    caption: str | None = None,
+    element_id: str | None = None,
+) -> str:
+    """An attention map that changes over frames (training steps, layers, ...), with a slider and Play.
+
+    ``docs/javascripts/map-slider.js`` turns the fragment into a widget: the
+    reader drags the slider (or focuses it and presses the arrow keys) to move
+    through the frames, or presses Play to run through them at 15 frames a
+    second; the map, the frame's name and its value redraw. Rows are the
+    queries, labelled ``i=0 · token``; columns the keys, labelled ``j=0`` over
+    their token. A cell's colour is its weight on the heatmaps' 0-1 viridis
+    scale, and hovering it shows the weight.
+
+    The map is an inline SVG drawn here, showing the **last** frame: without
+    JavaScript (a Jupyter notebook, a feed reader) the fragment is a still
+    heatmap of the last frame, its name and its value, and the controls stay
+    hidden. Every frame is embedded in the fragment, so the page needs no
+    server: the weights travel as ``explorer_html``'s do, base64
+    little-endian uint16 counts of 1e-4, ``(F, L, S)`` flattened, in the
+    JSON of the figure's ``data-map-slider`` attribute: ``{"frames", "L",
+    "S", "unit", "weights", "names", "values", "valueName", "rows", "cols",
+    "ramp"}`` (``values`` the formatted values or ``null``; ``rows`` and
+    ``cols`` the axis labels; ``ramp`` the colour stops). 151 frames of 8 x 8
+    make a fragment of about 48 KB. Needs no matplotlib.
+
+    Args:
+        maps: ``(F, L, S)`` weights in ``[0, 1]``, one ``(L, S)`` map per frame
+            (a torch tensor, NumPy array or nested lists), e.g.
+            ``torch.stack(list_of_maps)``.
+        query_labels: the ``L`` query tokens; ``None`` labels the rows by
+            position only.
+        key_labels: the ``S`` key tokens; defaults to ``query_labels`` when
+            ``L == S`` (self-attention).
+        frame_names: ``F`` names shown above the map, e.g. ``step 42``;
+            defaults to ``frame 0``, ``frame 1``, ...
+        values: ``F`` numbers, one per frame, shown under its name (e.g. a
+            loss, or the weight on the right keys).
+        value_name: what ``values`` are, shown before them; defaults to
+            ``value``. Only with ``values``.
+        value_format: the format spec of the values (``format(v,
+            value_format)``).
+        caption: a sentence under the map, as the ``<figcaption>``.
+        element_id: the figure's HTML id (a letter, then letters, digits,
+            ``-`` and ``_``); defaults to one derived from the data, stable
+            across builds.
+
+    Returns:
+        ``<figure class="ar-figure-box ar-map-slider">``: the controls (hidden
+        until the script runs), the frame's name and value, the map, the
+        caption; print it into a page (markdown-exec ``html="1"``).
+
+    Raises:
+        ValueError: ``maps`` not 3-D, empty, or not in ``[0, 1]``; more than
+            1,000,000 weights; labels, ``frame_names`` or ``values`` of the
+            wrong length; ``values`` not finite; ``value_name`` without
+            ``values``; a bad ``value_format`` or ``element_id``.
+        TypeError: ``maps`` or ``values`` not numbers; labels or
+            ``frame_names`` not a sequence; ``value_name``, ``value_format``
+            or ``caption`` not a str.
+
+    Examples:
+        >>> import torch
+        >>> from attention_ref.viz import map_slider_html
+        >>> first = torch.full((3, 3), 1 / 3)  # (L, S): uniform
+        >>> last = torch.eye(3).flip(-1)  # the anti-diagonal
+        >>> maps = torch.stack([first, last])  # (F, L, S)
+        >>> page = map_slider_html(maps, ["a", "b", "c"], values=[0.33, 1.0],
+        ...                        value_name="on the anti-diagonal", element_id="demo")
+        >>> page.startswith('<figure class="ar-figure-box ar-map-slider" id="demo"')
+        True
+        >>> [line for line in page.splitlines() if "value" in line and "div" in line]
+        ['<div class="ar-map-slider-value">on the anti-diagonal: 1.00</div>']
+        >>> page.count('class="ar-map-slider-cell"')
+        9
+    """
+    array = _as_array("maps", maps, 3, "(F, L, S)")
+    F, L, S = array.shape
+    if 0 in array.shape:
+        raise ValueError(f"maps must hold at least one frame, query and key, got shape (F, L, S) = {array.shape}")
+    if array.size > _SLIDER_NUMBERS:
+        raise ValueError(f"maps must hold at most {_SLIDER_NUMBERS:,} weights (F * L * S) for one page, "
+                         f"got {array.size:,} with shape {array.shape}")
+    tokens, key_tokens = _resolve_labels(array.shape, query_labels, key_labels)
+    rows = [f"i={i}" + (f" \u00b7 {tokens[i]}" if tokens is not None else "") for i in range(L)]
+    cols = [f"j={j}" + (f" \u00b7 {key_tokens[j]}" if key_tokens is not None else "") for j in range(S)]
+    if frame_names is None:
+        names = [f"frame {f}" for f in range(F)]
+    else:
+        if isinstance(frame_names, str) or not isinstance(frame_names, Sequence):
+            raise TypeError(f"frame_names must be a sequence of names, got {type(frame_names).__name__}")
+        if len(frame_names) != F:
+            raise ValueError(f"frame_names must have one name per frame (F = {F}), got {len(frame_names)}")
+        names = [str(name) for name in frame_names]
+    if not isinstance(value_format, str):
+        raise TypeError(f"value_format must be a format spec str such as '.2f', got {type(value_format).__name__}")
+    if value_name is not None and not isinstance(value_name, str):
+        raise TypeError(f"value_name must be a str or None, got {type(value_name).__name__}")
+    shown_values = None
+    if values is not None:
+        if hasattr(values, "detach"):  # a torch.Tensor, without importing torch here
+            values = values.detach().cpu().double().numpy()
+        try:
+            numbers = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"values must be a sequence of numbers, got {type(values).__name__}") from error
+        if numbers.shape != (F,):
+            raise ValueError(f"values must have one number per frame, shape (F,) = ({F},), got shape {numbers.shape}")
+        if not np.all(np.isfinite(numbers)):
+            raise ValueError("values must be finite, got NaN or inf values")
+        try:
+            shown_values = [format(float(v), value_format) for v in numbers]
+        except ValueError as error:
+            raise ValueError(f"value_format must format a float, such as '.2f', got {value_format!r}") from error
+        value_name = value_name or "value"
+    elif value_name is not None:
+        raise ValueError(f"value_name is only used with values, got value_name={value_name!r} and no values")
+    caption = _caption(caption)
+    counts = np.rint(array / _WEIGHT_UNIT).astype("<u2")  # (F, L, S) counts of 1e-4
+    data = {
+        "frames": F, "L": L, "S": S, "unit": _WEIGHT_UNIT,
+        "weights": base64.b64encode(counts.tobytes()).decode("ascii"),
+        "names": names, "values": shown_values, "valueName": value_name,
+        "rows": rows, "cols": cols, "ramp": list(_RAMP),
+    }
+    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    if element_id is None:
+        element_id = "map-slider-" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:10]
+    if not isinstance(element_id, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", element_id):
+        raise ValueError(
+            f"element_id must start with a letter and hold only letters, digits, '-' and '_', got {element_id!r}"
+        )
+    esc = html.escape
+    last = counts[-1].astype(np.float64) * _WEIGHT_UNIT  # (L, S): the weights as the script decodes them
+    value_text = f"{value_name}: {shown_values[-1]}" if shown_values is not None else ""
+    spoken = names[-1] + (f", {value_text}" if value_text else "")
+    parts = [
+        f'<figure class="ar-figure-box ar-map-slider" id="{element_id}" data-map-slider="{esc(payload, quote=True)}">',
+        '<div class="ar-map-slider-controls" hidden>',
+        '<button type="button" class="ar-map-slider-play" aria-label="Play the frames">Play</button>',
+        (f'<input type="range" class="ar-map-slider-range" min="0" max="{F - 1}" step="1" value="{F - 1}" '
+         f'aria-label="Frame" aria-valuetext="{esc(spoken)}">'),
+        "</div>",
+        '<div class="ar-map-slider-status">',
+        f'<div class="ar-map-slider-frame">{esc(names[-1])}</div>',
+        f'<div class="ar-map-slider-value">{esc(value_text)}</div>' if value_text else "",
+        "</div>",
+        _slider_svg(element_id, last, rows, cols, key_tokens, f"attention map, {names[-1]}"),
+        f"<figcaption>{esc(caption)}</figcaption>" if caption else "",
+        "</figure>",
+    ]
+    return "\n".join(part for part in parts if part) + "\n"

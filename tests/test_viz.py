@@ -26,6 +26,7 @@ from attention_ref.viz import (  # noqa: E402
     head_grid_html,
     heatmap,
     heatmaps,
+    map_slider_html,
     to_svg,
 )
 
@@ -838,3 +839,157 @@ def test_explorer_html_other_models():
         explorer_html(TOKENS, w, other_models={"d": {"sentences": digits, "mask": 1}})
     with pytest.raises(ValueError, match=r"other_models\['d'\] initial_token must be None or an int in \[0, 2\]"):
         explorer_html(TOKENS, w, other_models={"d": {"sentences": digits, "initial_token": 3}})
+
+
+
+# --- map_slider_html -----------------------------------------------------------------------------
+
+KEYS = ["x", "y", "z"]
+
+
+def _slider(fragment: str) -> tuple[dict, dict, ET.Element]:
+    """The figure's attributes, its JSON (unescaped as by a browser) and its SVG, parsed."""
+    parsed = _Collect()
+    parsed.feed(fragment)
+    tag, attrs = parsed.tags[0]
+    assert tag == "figure"
+    data = json.loads(attrs["data-map-slider"])
+    svg = ET.fromstring(fragment[fragment.index("<svg"):fragment.index("</svg>") + len("</svg>")])
+    return attrs, data, svg
+
+
+def _slider_weights(data: dict) -> np.ndarray:
+    """The ``(F, L, S)`` weights as the page's script decodes them."""
+    counts = np.frombuffer(base64.b64decode(data["weights"]), "<u2")
+    return counts.reshape(data["frames"], data["L"], data["S"]) * data["unit"]
+
+
+def _cells(svg: ET.Element) -> list[ET.Element]:
+    return [r for r in svg.iter(f"{SVG}rect") if r.get("class") == "ar-map-slider-cell"]
+
+
+def test_map_slider_html_embeds_every_frame_within_the_encodings_precision():
+    maps = weights(7, 5, 3)  # (F, L, S): distinct primes, so a swapped axis fails
+    fragment = map_slider_html(maps, TOKENS, KEYS, frame_names=[f"step {s}" for s in range(7)],
+                               values=maps[:, 0, 0], value_name="w[0, 0]", element_id="s1")
+    assert "\n\n" not in fragment and "<script" not in fragment
+    attrs, data, _ = _slider(fragment)
+    assert attrs["id"] == "s1" and "ar-map-slider" in attrs["class"].split()
+    assert (data["frames"], data["L"], data["S"], data["unit"]) == (7, 5, 3, 1e-4)
+    decoded = _slider_weights(data)
+    np.testing.assert_allclose(decoded, maps.numpy(), atol=5e-5)  # counts of 1e-4, rounded
+    assert data["names"] == [f"step {s}" for s in range(7)]
+    assert data["values"] == [f"{v:.2f}" for v in maps[:, 0, 0].tolist()] and data["valueName"] == "w[0, 0]"
+    assert data["rows"] == [f"i={i} \u00b7 {t}" for i, t in enumerate(TOKENS)]
+    assert data["cols"] == ["j=0 \u00b7 x", "j=1 \u00b7 y", "j=2 \u00b7 z"]
+    # a weight of exactly 0 or 1 travels exactly
+    ends = _slider_weights(_slider(map_slider_html(torch.eye(3).flip(-1)[None]))[1])
+    assert np.array_equal(ends, torch.eye(3).flip(-1)[None].numpy())
+
+
+def test_map_slider_html_without_javascript_shows_the_last_frame():
+    first = torch.full((5, 3), 1 / 3)  # (L, S): uniform
+    last = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [0.5, 0.5, 0], [0.25, 0.25, 0.5]])
+    maps = torch.stack([first, (first + last) / 2, last])  # (F, L, S) = (3, 5, 3)
+    fragment = map_slider_html(maps, TOKENS, KEYS, frame_names=["start", "middle", "end"],
+                               values=[0.1, 0.5, 0.9], value_name="score")
+    _, data, svg = _slider(fragment)
+    parsed = _Collect()
+    parsed.feed(fragment)
+    controls = [a for t, a in parsed.tags if a.get("class") == "ar-map-slider-controls"]
+    assert len(controls) == 1 and "hidden" in controls[0]  # shown by the script only
+    [range_] = [a for t, a in parsed.tags if t == "input"]
+    assert (range_["type"], range_["min"], range_["max"], range_["value"]) == ("range", "0", "2", "2")
+    assert range_["aria-label"] and range_["aria-valuetext"] == "end, score: 0.90"
+    [play] = [a for t, a in parsed.tags if t == "button"]
+    assert play["type"] == "button" and play["aria-label"]
+    assert '<div class="ar-map-slider-frame">end</div>' in fragment
+    assert '<div class="ar-map-slider-value">score: 0.90</div>' in fragment
+    cells = _cells(svg)
+    assert [(int(c.get("data-i")), int(c.get("data-j"))) for c in cells] == [(i, j) for i in range(5) for j in range(3)]
+    shown = np.array([float(c.get("data-weight")) for c in cells]).reshape(5, 3)
+    np.testing.assert_allclose(shown, last.numpy(), atol=1e-4)
+    assert [c.get("fill") for c in cells] == [viz._ramp_colour(w) for w in _slider_weights(data)[-1].ravel()]
+    assert cells[0].get("fill") == "#fde725" and cells[1].get("fill") == "#440154"  # 1 and 0: viridis' ends
+    assert cells[0].find(f"{SVG}title").text == "i=0 \u00b7 the \u2192 j=0 \u00b7 x: 1.000"
+    assert svg.get("aria-label") == "attention map, end"
+    assert svg.get("style") == "max-width: 100%; height: auto"  # a notebook shows it at its own size, or less
+
+
+def _texts(svg: ET.Element) -> list[str]:
+    return [t.text for t in svg.iter(f"{SVG}text")]
+
+
+def test_map_slider_html_labels_each_axis_by_position_and_token():
+    *_, svg = _slider(map_slider_html(weights(2, 5, 3), TOKENS, KEYS))
+    shown = _texts(svg)
+    assert [f"i={i} \u00b7 {t}" for i, t in enumerate(TOKENS)] == [t for t in shown if t.startswith("i=")]
+    assert [t for t in shown if t.startswith("j=")] == ["j=0", "j=1", "j=2"]  # over their tokens
+    assert set(KEYS) <= set(shown) and {"query", "key", "attention weight"} <= set(shown)
+    *_, svg = _slider(map_slider_html(weights(2, 3, 3)))  # no tokens: positions only
+    assert [t for t in _texts(svg) if "=" in t] == ["i=0", "i=1", "i=2", "j=0", "j=1", "j=2"]
+    # keys too wide for their column: one line each, written upwards
+    keys = [f"token{j}" for j in range(11)]
+    *_, svg = _slider(map_slider_html(weights(2, 3, 11), ["a", "b", "c"], keys))
+    cols = [t for t in svg.iter(f"{SVG}text") if t.get("class") == "ar-map-slider-col"]
+    assert [t.text for t in cols] == [f"j={j} \u00b7 token{j}" for j in range(11)]
+    assert all(t.get("transform", "").startswith("rotate(-90") for t in cols)
+    # a query label wider than the map: the map widens (and a page scales it down), its cells keep a size
+    *_, svg = _slider(map_slider_html(weights(1, 2, 2), ["a" * 80, "b"]))
+    assert min(float(c.get("width")) for c in _cells(svg)) >= 4
+
+
+def test_map_slider_html_colours_are_viridis():
+    """17 stops interpolated linearly stay within 6/255 a channel of matplotlib's viridis (the heatmaps')."""
+    mpl = pytest.importorskip("matplotlib")
+    viridis = mpl.colormaps["viridis"]
+    for w in np.linspace(0, 1, 41):
+        ours = np.array([int(viz._ramp_colour(w)[k:k + 2], 16) for k in (1, 3, 5)])
+        theirs = np.round(np.array(viridis(w)[:3]) * 255)
+        assert np.abs(ours - theirs).max() <= 6, (w, ours, theirs)
+
+
+def test_map_slider_html_escapes_labels_and_has_a_stable_default_id():
+    token = '"><script>alert(1)</script>'
+    fragment = map_slider_html(torch.ones(1, 1, 1), [token], frame_names=["</div><b>"], caption="a <b>bold</b> map")
+    assert "<script" not in fragment and "<b>" not in fragment
+    assert "<figcaption>a &lt;b&gt;bold&lt;/b&gt; map</figcaption>" in fragment
+    _, data, svg = _slider(fragment)
+    assert data["rows"] == [f"i=0 \u00b7 {token}"] and data["names"] == ["</div><b>"]
+    assert f"i=0 \u00b7 {token}" in [t.text for t in svg.iter(f"{SVG}text")]
+    maps = weights(3, 5, 5)
+    first = map_slider_html(maps, TOKENS)
+    assert first == map_slider_html(maps.numpy(), TOKENS)
+    assert first != map_slider_html(weights(3, 5, 5, seed=3), TOKENS)
+    assert re.search(r'id="map-slider-[0-9a-f]{10}"', first)
+    assert f'fill="url(#{_slider(first)[0]["id"]}-ramp)"' in first  # the colour bar's gradient is this figure's
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"maps": torch.rand(5, 3)}, ValueError, r"maps must have 3 dims \(F, L, S\), got 2 dims with shape \(5, 3\)"),
+    ({"maps": torch.full((2, 5, 3), 1.5)}, ValueError,
+     r"maps must be attention weights in \[0, 1\], got values in \[1\.5, 1\.5\]"),
+    ({"maps": "abc"}, TypeError, r"maps must be a tensor or array of numbers, got str"),
+    ({"maps": np.zeros((0, 5, 3))}, ValueError,
+     r"maps must hold at least one frame, query and key, got shape \(F, L, S\) = \(0, 5, 3\)"),
+    ({"maps": np.zeros((1001, 1000, 1))}, ValueError, r"maps must hold at most 1,000,000 weights .* got 1,001,000"),
+    ({"query_labels": TOKENS[:4]}, ValueError, r"query_labels must have one label per query row L \(5\), got 4"),
+    ({"key_labels": "xyz"}, TypeError, r"key_labels must be a sequence of labels .* got str"),
+    ({"frame_names": ["a"] * 6}, ValueError, r"frame_names must have one name per frame \(F = 7\), got 6"),
+    ({"frame_names": "abcdefg"}, TypeError, r"frame_names must be a sequence of names, got str"),
+    ({"values": [0.5] * 6}, ValueError,
+     r"values must have one number per frame, shape \(F,\) = \(7,\), got shape \(6,\)"),
+    ({"values": [float("nan")] * 7}, ValueError, r"values must be finite"),
+    ({"values": ["a"] * 7}, TypeError, r"values must be a sequence of numbers, got list"),
+    ({"value_name": "loss"}, ValueError, r"value_name is only used with values, got value_name='loss' and no values"),
+    ({"values": [0.5] * 7, "value_name": 3}, TypeError, r"value_name must be a str or None, got int"),
+    ({"values": [0.5] * 7, "value_format": "d"}, ValueError,
+     r"value_format must format a float, such as '\.2f', got 'd'"),
+    ({"value_format": 2}, TypeError, r"value_format must be a format spec str such as '\.2f', got int"),
+    ({"caption": 3}, TypeError, r"caption must be a str or None, got int"),
+    ({"element_id": "1x"}, ValueError, r"element_id must start with a letter .* got '1x'"),
+])
+def test_map_slider_html_rejects_bad_input(kwargs, error, match):
+    arguments = {"maps": weights(7, 5, 3), "query_labels": TOKENS, "key_labels": KEYS, **kwargs}
+    with pytest.raises(error, match=match):
+        map_slider_html(**arguments)

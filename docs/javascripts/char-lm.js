@@ -1,0 +1,468 @@
+// The character-level language model of tutorial page 11, run in the browser.
+//
+// The page holds a <div class="charlm" data-src="..."> (attention_ref.lm.widget_html); this
+// script loads the model's manifest (JSON) and float16 weights (exported at build by
+// docs/hooks/char_lm.py from attention_ref.lm.browser_export) and computes the same forward
+// pass as attention_ref.lm.CharLM, in float64: embedding, pre-norm blocks (LayerNorm, causal
+// attention with rotary positions, LayerNorm, MLP with tanh-GELU), a last LayerNorm and the
+// tied embedding as the output layer. tests/site/test_char_lm.py checks its logits against
+// torch's on 20 prompts.
+//
+// Shapes as in the package: L tokens, d width, H heads, D = d / H, V vocabulary.
+(function () {
+  "use strict";
+
+  // ---- the model ---------------------------------------------------------------------------
+
+  function halfToFloat(bits) {
+    const sign = bits & 0x8000 ? -1 : 1;
+    const exponent = (bits >> 10) & 0x1f;
+    const fraction = bits & 0x3ff;
+    if (exponent === 0) return sign * fraction * Math.pow(2, -24); // subnormal
+    if (exponent === 31) return fraction ? NaN : sign * Infinity;
+    return sign * (1 + fraction / 1024) * Math.pow(2, exponent - 15);
+  }
+
+  class CharModel {
+    constructor(manifest, buffer) {
+      const c = manifest.config;
+      this.chars = manifest.chars;
+      this.V = c.vocab_size;
+      this.d = c.width;
+      this.H = c.heads;
+      this.D = c.width / c.heads;
+      this.layers = c.layers;
+      this.context = c.context;
+      this.rope = c.positions === "rope";
+      this.mlp = c.mlp;
+      this.eps = manifest.layer_norm_eps;
+      this.ids = new Map(Array.from(this.chars).map((ch, i) => [ch, i]));
+      const halves = new Uint16Array(buffer);
+      if (halves.length !== manifest.numbers) {
+        throw new Error(`weights: expected ${manifest.numbers} float16 numbers, got ${halves.length}`);
+      }
+      this.w = {};
+      for (const t of manifest.tensors) {
+        const n = t.shape.reduce((a, b) => a * b, 1);
+        const out = new Float64Array(n);
+        for (let i = 0; i < n; i++) out[i] = halfToFloat(halves[t.offset + i]);
+        this.w[t.name] = out;
+      }
+      // theta_j = base^(-2j/D) for the D/2 feature pairs (j, j + D/2), as positional.rope
+      this.theta = new Float64Array(this.D / 2);
+      for (let j = 0; j < this.D / 2; j++) this.theta[j] = Math.pow(manifest.rope_base, (-2 * j) / this.D);
+    }
+
+    // The ids of the characters of `text` in the vocabulary, and the ones that are not.
+    encode(text) {
+      const ids = [];
+      const unknown = [];
+      Array.from(text).forEach((ch, i) => {
+        const id = this.ids.get(ch);
+        if (id === undefined) unknown.push([i, ch]);
+        else ids.push(id);
+      });
+      return { ids, unknown };
+    }
+
+    layerNorm(x, L, prefix) {
+      const d = this.d, g = this.w[prefix + ".weight"], b = this.w[prefix + ".bias"];
+      const out = new Float64Array(L * d);
+      for (let l = 0; l < L; l++) {
+        let mean = 0, varSum = 0;
+        for (let i = 0; i < d; i++) mean += x[l * d + i];
+        mean /= d;
+        for (let i = 0; i < d; i++) varSum += (x[l * d + i] - mean) ** 2;
+        const inv = 1 / Math.sqrt(varSum / d + this.eps);
+        for (let i = 0; i < d; i++) out[l * d + i] = (x[l * d + i] - mean) * inv * g[i] + b[i];
+      }
+      return out;
+    }
+
+    // y = x W^T + b for x (L, n), W (m, n) as torch.nn.Linear stores it -> (L, m)
+    linear(x, L, n, prefix) {
+      const W = this.w[prefix + ".weight"], b = this.w[prefix + ".bias"];
+      const m = b.length;
+      const out = new Float64Array(L * m);
+      for (let l = 0; l < L; l++) {
+        const row = l * n;
+        for (let o = 0; o < m; o++) {
+          let s = b[o];
+          const wo = o * n;
+          for (let i = 0; i < n; i++) s += x[row + i] * W[wo + i];
+          out[l * m + o] = s;
+        }
+      }
+      return out;
+    }
+
+    // Rotate the D features of one head at `offset` of `v` by position `pos` (half-split pairs).
+    rotate(v, offset, pos) {
+      const half = this.D / 2;
+      for (let j = 0; j < half; j++) {
+        const angle = pos * this.theta[j], cos = Math.cos(angle), sin = Math.sin(angle);
+        const a = v[offset + j], b = v[offset + j + half];
+        v[offset + j] = a * cos - b * sin;
+        v[offset + j + half] = b * cos + a * sin;
+      }
+    }
+
+    // A run of the model over `ids` (at most `context` of them). `previous`, a run whose ids
+    // are a prefix of these, lends its keys, values, weights and logits (a KV cache): only
+    // the new positions are computed. Returns {ids, logits (L*V), weights[layer][head]
+    // (L*L, row i = query i), keys, values}.
+    run(ids, previous) {
+      const L = ids.length, d = this.d, H = this.H, D = this.D, V = this.V;
+      if (L > this.context) throw new Error(`at most ${this.context} characters, got ${L}`);
+      let p = 0;
+      if (previous && previous.ids.length <= L) {
+        while (p < previous.ids.length && previous.ids[p] === ids[p]) p++;
+        if (p < previous.ids.length) p = 0; // not a prefix: start again
+      }
+      if (p === L && L > 0) p = L - 1 >= 0 ? L - 1 : 0; // recompute the last position at least
+      const fresh = L - p; // positions p .. L - 1 are computed
+      const keys = [], values = [], weights = [];
+      let x = new Float64Array(fresh * d);
+      const E = this.w["embed.weight"];
+      for (let l = 0; l < fresh; l++) x.set(E.subarray(ids[p + l] * d, (ids[p + l] + 1) * d), l * d);
+      for (let layer = 0; layer < this.layers; layer++) {
+        const pre = `blocks.${layer}.`;
+        const qkv = this.linear(this.layerNorm(x, fresh, pre + "norm1"), fresh, d, pre + "qkv"); // (fresh, 3d)
+        const K = new Float64Array(L * d), Vv = new Float64Array(L * d);
+        if (p > 0) {
+          K.set(previous.keys[layer].subarray(0, p * d));
+          Vv.set(previous.values[layer].subarray(0, p * d));
+        }
+        const Q = new Float64Array(fresh * d);
+        for (let l = 0; l < fresh; l++) {
+          Q.set(qkv.subarray(l * 3 * d, l * 3 * d + d), l * d);
+          K.set(qkv.subarray(l * 3 * d + d, l * 3 * d + 2 * d), (p + l) * d);
+          Vv.set(qkv.subarray(l * 3 * d + 2 * d, l * 3 * d + 3 * d), (p + l) * d);
+          if (this.rope) {
+            for (let h = 0; h < H; h++) {
+              this.rotate(Q, l * d + h * D, p + l);
+              this.rotate(K, (p + l) * d + h * D, p + l);
+            }
+          }
+        }
+        const attended = new Float64Array(fresh * d);
+        const layerWeights = [];
+        const scale = 1 / Math.sqrt(D);
+        for (let h = 0; h < H; h++) {
+          const Wm = new Float64Array(L * L);
+          if (p > 0) {
+            const old = previous.weights[layer][h], oldL = previous.ids.length;
+            for (let i = 0; i < p; i++) Wm.set(old.subarray(i * oldL, i * oldL + i + 1), i * L);
+          }
+          for (let l = 0; l < fresh; l++) {
+            const i = p + l; // the query's position: keys 0 .. i take part (causal)
+            let max = -Infinity;
+            const s = new Float64Array(i + 1);
+            for (let j = 0; j <= i; j++) {
+              let dot = 0;
+              for (let e = 0; e < D; e++) dot += Q[l * d + h * D + e] * K[j * d + h * D + e];
+              s[j] = dot * scale;
+              if (s[j] > max) max = s[j];
+            }
+            let sum = 0;
+            for (let j = 0; j <= i; j++) { s[j] = Math.exp(s[j] - max); sum += s[j]; }
+            for (let j = 0; j <= i; j++) {
+              const wgt = s[j] / sum;
+              Wm[i * L + j] = wgt;
+              for (let e = 0; e < D; e++) attended[l * d + h * D + e] += wgt * Vv[j * d + h * D + e];
+            }
+          }
+          layerWeights.push(Wm);
+        }
+        const projected = this.linear(attended, fresh, d, pre + "out");
+        for (let i = 0; i < x.length; i++) x[i] += projected[i];
+        if (this.mlp) {
+          const up = this.linear(this.layerNorm(x, fresh, pre + "norm2"), fresh, d, pre + "up");
+          const c = Math.sqrt(2 / Math.PI);
+          for (let i = 0; i < up.length; i++) {
+            const u = up[i];
+            up[i] = 0.5 * u * (1 + Math.tanh(c * (u + 0.044715 * u * u * u)));
+          }
+          const down = this.linear(up, fresh, 4 * d, pre + "down");
+          for (let i = 0; i < x.length; i++) x[i] += down[i];
+        }
+        keys.push(K);
+        values.push(Vv);
+        weights.push(layerWeights);
+      }
+      const h = this.layerNorm(x, fresh, "norm");
+      const logits = new Float64Array(L * V);
+      if (p > 0) logits.set(previous.logits.subarray(0, p * V));
+      for (let l = 0; l < fresh; l++) {
+        for (let v = 0; v < V; v++) {
+          let s = 0;
+          for (let i = 0; i < d; i++) s += h[l * d + i] * E[v * d + i];
+          logits[(p + l) * V + v] = s;
+        }
+      }
+      return { ids: ids.slice(), logits, weights, keys, values, computed: fresh };
+    }
+  }
+
+  // Probabilities of the next character from the last row of logits: softmax(logits / T) over
+  // the top_k largest (T = 0: all on the largest), as attention_ref.lm.generate samples.
+  function nextProbabilities(logits, V, temperature, topK) {
+    const last = Array.from(logits.subarray(logits.length - V));
+    const order = last.map((_, i) => i).sort((a, b) => last[b] - last[a]);
+    const probs = new Float64Array(V);
+    if (temperature === 0) { probs[order[0]] = 1; return probs; }
+    const keep = order.slice(0, Math.max(1, Math.min(topK, V)));
+    const max = last[order[0]] / temperature;
+    let sum = 0;
+    for (const i of keep) { probs[i] = Math.exp(last[i] / temperature - max); sum += probs[i]; }
+    for (const i of keep) probs[i] /= sum;
+    return probs;
+  }
+
+  const loaded = new Map(); // manifest URL -> Promise<CharModel>
+  function load(manifestUrl) {
+    const url = new URL(manifestUrl, document.baseURI).href;
+    if (!loaded.has(url)) {
+      const promise = fetch(url).then((r) => {
+        if (!r.ok) throw new Error(`${r.status} ${url}`);
+        return r.json();
+      }).then((manifest) => {
+        const weightsUrl = new URL(manifest.weights, url).href;
+        return fetch(weightsUrl).then((r) => {
+          if (!r.ok) throw new Error(`${r.status} ${weightsUrl}`);
+          return r.arrayBuffer();
+        }).then((buffer) => new CharModel(manifest, buffer));
+      });
+      promise.catch(() => loaded.delete(url)); // a failed load may be retried
+      loaded.set(url, promise);
+    }
+    return loaded.get(url);
+  }
+
+  // ---- the widget --------------------------------------------------------------------------
+
+  function showChar(ch) {
+    if (ch === "\n") return "⏎";
+    if (ch === " ") return "␣";
+    return ch;
+  }
+
+  function el(tag, attrs, text) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function heatColor(weight) {
+    // weights shown with a square root, so that a spread-out row still shows
+    return `rgba(30, 136, 229, ${Math.sqrt(Math.max(0, Math.min(1, weight))).toFixed(3)})`;
+  }
+
+  function setup(root) {
+    if (root.dataset.ready) return;
+    root.dataset.ready = "1";
+    root.querySelectorAll(".charlm-fallback").forEach((n) => n.remove());
+    const ui = {};
+    ui.input = el("textarea", { class: "charlm-input", rows: "4", spellcheck: "false",
+      "aria-label": "Text for the model to continue",
+      placeholder: "Type here: the model predicts the next character" });
+    ui.input.value = root.dataset.prompt || "";
+    ui.status = el("p", { class: "charlm-status", role: "status", "aria-live": "polite" }, "Loading the model…");
+    const controls = el("div", { class: "charlm-controls" });
+    const tLabel = el("label", { class: "charlm-temperature" });
+    tLabel.append(el("span", {}, "temperature "));
+    ui.temperature = el("input", { type: "range", min: "0", max: "2", step: "0.05", value: root.dataset.temperature || "0.8",
+      "aria-label": "Sampling temperature" });
+    ui.tValue = el("output", {}, "");
+    tLabel.append(ui.temperature, ui.tValue);
+    const kLabel = el("label", { class: "charlm-topk" });
+    kLabel.append(el("span", {}, "top-k "));
+    ui.topK = el("input", { type: "number", min: "1", step: "1", value: root.dataset.topK || "10",
+      "aria-label": "Sample among the k most likely characters" });
+    kLabel.append(ui.topK);
+    ui.next = el("button", { type: "button", class: "md-button" }, "Next character");
+    ui.generate = el("button", { type: "button", class: "md-button md-button--primary" }, "Generate 60");
+    ui.stop = el("button", { type: "button", class: "md-button", disabled: "" }, "Stop");
+    controls.append(tLabel, kLabel, ui.next, ui.generate, ui.stop);
+    ui.probs = el("ol", { class: "charlm-probs", "aria-label": "Most likely next characters" });
+    ui.focusTitle = el("p", { class: "charlm-focus-title" }, "");
+    ui.focus = el("div", { class: "charlm-focus", "aria-label": "Where the last character looks, in the chosen head" });
+    ui.grid = el("div", { class: "charlm-grid" });
+    const left = el("div", { class: "charlm-col" });
+    left.append(el("p", { class: "charlm-heading" }, "Next character"), ui.probs);
+    const right = el("div", { class: "charlm-col" });
+    right.append(el("p", { class: "charlm-heading" }, "Attention: every layer × head (click one)"), ui.grid);
+    const panels = el("div", { class: "charlm-panels" });
+    panels.append(left, right);
+    root.append(ui.input, ui.status, controls, ui.focusTitle, ui.focus, panels);
+    ui.temperature.addEventListener("input", () => { ui.tValue.textContent = Number(ui.temperature.value).toFixed(2); refresh(); });
+    ui.tValue.textContent = Number(ui.temperature.value).toFixed(2);
+
+    const state = { model: null, run: null, layer: Number(root.dataset.layer || 0), head: Number(root.dataset.head || 0),
+      timer: null, generating: 0, window: 0 };
+
+    function settings() {
+      const t = Number(ui.temperature.value);
+      let k = Math.round(Number(ui.topK.value));
+      if (!Number.isFinite(k) || k < 1) k = 1;
+      return { temperature: t, topK: k };
+    }
+
+    // Run the model on the text (its last `context` characters that are in the vocabulary).
+    function compute() {
+      const m = state.model;
+      const { ids, unknown } = m.encode(ui.input.value);
+      const kept = ids.length > m.context ? ids.slice(ids.length - m.context) : ids;
+      state.window = ids.length - kept.length;
+      const cropped = state.window > 0;
+      state.run = kept.length ? m.run(kept, cropped ? null : state.run) : null;
+      const notes = [];
+      if (unknown.length) {
+        const shown = unknown.slice(0, 5).map(([i, ch]) => `“${ch}” (at ${i})`).join(", ");
+        notes.push(`${unknown.length} character${unknown.length > 1 ? "s are" : " is"} not in the model's ` +
+          `vocabulary and left out: ${shown}${unknown.length > 5 ? " …" : ""}.`);
+      }
+      if (!kept.length) notes.push("Type some text above: the model predicts the character that comes next.");
+      else if (cropped) notes.push(`The model reads the last ${m.context} characters (it was trained on windows that long).`);
+      ui.status.textContent = notes.join(" ") || `${kept.length} characters read.`;
+      ui.status.classList.toggle("charlm-warning", unknown.length > 0);
+      root.dataset.unknown = String(unknown.length);
+    }
+
+    function drawProbs() {
+      ui.probs.replaceChildren();
+      if (!state.run) return;
+      const m = state.model, { temperature, topK } = settings();
+      const probs = nextProbabilities(state.run.logits, m.V, temperature, topK);
+      const order = Array.from(probs.keys()).sort((a, b) => probs[b] - probs[a]).slice(0, 10);
+      for (const i of order) {
+        if (probs[i] <= 0) break;
+        const li = el("li", {});
+        li.append(el("code", { class: "charlm-char" }, showChar(m.chars[i])));
+        const bar = el("span", { class: "charlm-bar" });
+        bar.style.width = `${(100 * probs[i]).toFixed(1)}%`;
+        const track = el("span", { class: "charlm-track" });
+        track.append(bar);
+        li.append(track, el("span", { class: "charlm-p" }, `${(100 * probs[i]).toFixed(1)}%`));
+        ui.probs.append(li);
+      }
+    }
+
+    function drawGrid() {
+      ui.grid.replaceChildren();
+      const m = state.model, run = state.run;
+      ui.grid.style.gridTemplateColumns = `auto repeat(${m.H}, 1fr)`;
+      ui.grid.append(el("span", {}, ""));
+      for (let h = 0; h < m.H; h++) ui.grid.append(el("span", { class: "charlm-axis" }, `head ${h}`));
+      for (let layer = 0; layer < m.layers; layer++) {
+        ui.grid.append(el("span", { class: "charlm-axis" }, `layer ${layer}`));
+        for (let h = 0; h < m.H; h++) {
+          const button = el("button", { type: "button", class: "charlm-map",
+            "aria-label": `layer ${layer}, head ${h}`, "aria-pressed": String(layer === state.layer && h === state.head) });
+          const canvas = el("canvas", { width: "1", height: "1" });
+          button.append(canvas);
+          button.addEventListener("click", () => { state.layer = layer; state.head = h; drawGrid(); drawFocus(); });
+          ui.grid.append(button);
+          if (!run) continue;
+          const L = run.ids.length, W = run.weights[layer][h];
+          canvas.width = L;
+          canvas.height = L;
+          const ctx = canvas.getContext("2d");
+          for (let i = 0; i < L; i++) {
+            for (let j = 0; j <= i; j++) {
+              ctx.fillStyle = heatColor(W[i * L + j]);
+              ctx.fillRect(j, i, 1, 1);
+            }
+          }
+        }
+      }
+    }
+
+    function drawFocus() {
+      ui.focus.replaceChildren();
+      const m = state.model, run = state.run;
+      if (!run) { ui.focusTitle.textContent = ""; return; }
+      const L = run.ids.length, W = run.weights[state.layer][state.head];
+      ui.focusTitle.textContent = `Layer ${state.layer}, head ${state.head}: how much the last character ` +
+        `(the one predicting the next) attends to each character it reads`;
+      for (let j = 0; j < L; j++) {
+        const w = W[(L - 1) * L + j];
+        const span = el("span", { class: "charlm-token", title: `${(100 * w).toFixed(1)}%` }, showChar(m.chars[run.ids[j]]));
+        span.style.backgroundColor = heatColor(w);
+        span.dataset.weight = w.toFixed(4);
+        ui.focus.append(span);
+        if (m.chars[run.ids[j]] === "\n") ui.focus.append(el("br"));
+      }
+    }
+
+    function refresh() {
+      if (!state.model) return;
+      compute();
+      drawProbs();
+      drawGrid();
+      drawFocus();
+    }
+
+    // One step of generation: sample from what the bars show and append it to the text.
+    function step() {
+      if (!state.model || !state.run) return false;
+      const m = state.model, { temperature, topK } = settings();
+      const probs = nextProbabilities(state.run.logits, m.V, temperature, topK);
+      let r = Math.random(), pick = 0;
+      for (let i = 0; i < m.V; i++) { r -= probs[i]; pick = i; if (r < 0 && probs[i] > 0) break; }
+      if (temperature === 0) pick = probs.indexOf(1);
+      ui.input.value += m.chars[pick];
+      refresh();
+      return true;
+    }
+
+    function stop() {
+      clearInterval(state.timer);
+      state.timer = null;
+      ui.stop.disabled = true;
+      ui.generate.disabled = false;
+      ui.next.disabled = false;
+      root.dataset.generating = "0";
+    }
+
+    ui.next.addEventListener("click", () => step());
+    ui.generate.addEventListener("click", () => {
+      if (state.timer) return;
+      state.generating = 60;
+      ui.stop.disabled = false;
+      ui.generate.disabled = true;
+      ui.next.disabled = true;
+      root.dataset.generating = "1";
+      state.timer = setInterval(() => {
+        if (state.generating-- <= 0 || !step()) stop();
+      }, 60);
+    });
+    ui.stop.addEventListener("click", stop);
+    let pending = null;
+    ui.input.addEventListener("input", () => {
+      clearTimeout(pending);
+      pending = setTimeout(refresh, 80);
+    });
+    ui.topK.addEventListener("input", refresh);
+
+    load(root.dataset.src).then((model) => {
+      state.model = model;
+      ui.topK.max = String(model.V);
+      refresh();
+      root.dataset.loaded = "1";
+    }).catch((error) => {
+      ui.status.textContent = `The model could not be loaded (${error.message}).`;
+      ui.status.classList.add("charlm-warning");
+    });
+  }
+
+  function init() {
+    document.querySelectorAll(".charlm[data-src]").forEach(setup);
+  }
+
+  window.attentionRefCharLM = { load, nextProbabilities, CharModel };
+  if (window.document$ && typeof window.document$.subscribe === "function") window.document$.subscribe(init);
+  else if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
+  else init();
+})();

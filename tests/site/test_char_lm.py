@@ -1,0 +1,193 @@
+"""The language model of page 11 in the browser (docs/javascripts/char-lm.js), in headless Chromium.
+
+- The JavaScript forward pass gives the logits of the package's model (torch, float32) to 1e-4
+  on 20 prompts, at every position; a run that reuses an earlier one's keys and values (the
+  widget's cache) gives the logits of a run from scratch.
+- Typing redraws the next-character bars, the 4 x 4 attention maps and the shaded text; a
+  character outside the vocabulary gets a visible message and never a NaN; an empty box shows
+  a prompt; temperature 0 puts everything on one character.
+- Generate adds characters one at a time and Stop stops it; the controls are reachable by Tab.
+- The widget fits a 390 px phone; no console error.
+Fixtures (``site_url``, ``page``) come from tests/site/conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from attention_ref import lm
+
+PAGE = "tutorial/11-language-model/"
+WIDGET = "div.charlm"
+MANIFEST = "assets/char-lm/char-lm.json"
+
+PROMPTS = [
+    "T", "To be, or not to be", "HAMLET.\n", "ROMEO.\nBut soft, what light through yonder window",
+    "  ", "\n\n", "Enter MACBETH", "[Exit.]", "What, ho! Horatio!", "O Romeo, Romeo!",
+    "zzzz", "Friends, Romans, countrymen, lend me your ears;", "KING LEAR.\nNothing will come",
+    "If music be the food of love, play on;", "?!", "The lady doth protest too much, methinks.",
+    "Is this a dagger which I see before me,", "a" * 128, "OTHELLO.\nIt is the cause",
+    "Lord, what fools these mortals be!",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lm.load_char_lm()
+
+
+def open_widget(page, site_url: str):
+    page.goto(site_url + PAGE)
+    widget = page.locator(WIDGET).first
+    widget.wait_for()
+    page.wait_for_function("sel => document.querySelector(sel)?.dataset.loaded === '1'", arg=WIDGET)
+    return widget
+
+
+def test_javascript_logits_equal_torch(page, site_url: str, model):
+    net, tok, _ = model
+    assert len(PROMPTS) >= 20
+    page.goto(site_url + PAGE)
+    got = page.evaluate(
+        """async ([url, prompts]) => {
+            const m = await window.attentionRefCharLM.load(url);
+            return prompts.map((p) => Array.from(m.run(m.encode(p).ids).logits));
+        }""",
+        [site_url + MANIFEST, PROMPTS],
+    )
+    worst = 0.0
+    for prompt, logits in zip(PROMPTS, got):
+        ids = tok.encode(prompt)[None]
+        with torch.no_grad():
+            expected = net(ids)[0].numpy()  # (L, V), float32
+        js = np.array(logits).reshape(expected.shape)
+        worst = max(worst, float(np.abs(js - expected).max()))
+    assert worst < 1e-4, f"largest |JS - torch| logit difference {worst:.2e}"
+
+
+def test_javascript_cache_equals_a_fresh_run(page, site_url: str):
+    page.goto(site_url + PAGE)
+    gap = page.evaluate(
+        """async (url) => {
+            const m = await window.attentionRefCharLM.load(url);
+            const ids = m.encode("To be, or not to be, that is the question").ids;
+            const first = m.run(ids.slice(0, 20));
+            const grown = m.run(ids, first);
+            const fresh = m.run(ids);
+            let worst = 0;
+            for (let i = 0; i < fresh.logits.length; i++) worst = Math.max(worst, Math.abs(grown.logits[i] - fresh.logits[i]));
+            const L = ids.length;
+            for (let l = 0; l < m.layers; l++) for (let h = 0; h < m.H; h++) for (let i = 0; i < L * L; i++)
+                worst = Math.max(worst, Math.abs(grown.weights[l][h][i] - fresh.weights[l][h][i]));
+            return [grown.computed, worst];
+        }""",
+        site_url + MANIFEST,
+    )
+    computed, worst = gap
+    assert computed == len("To be, or not to be, that is the question") - 20
+    assert worst < 1e-12
+
+
+def test_manifest_is_the_shipped_model(built_site, model):
+    net, tok, _ = model
+    manifest = json.loads((built_site / MANIFEST).read_text())
+    assert manifest["chars"] == tok.chars
+    assert manifest["numbers"] == net.num_parameters()
+    assert (built_site / "assets/char-lm" / manifest["weights"]).stat().st_size == 2 * net.num_parameters()
+
+
+def test_typing_redraws_everything(page, site_url: str):
+    widget = open_widget(page, site_url)
+    box = widget.locator("textarea")
+    box.fill("")
+    box.type("To be, or not to b")
+    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 18", arg=WIDGET)
+    bars = widget.locator(".charlm-probs li")
+    assert bars.count() == 10
+    first = bars.first.locator(".charlm-char").text_content()
+    assert first == "e"  # "To be, or not to b" -> "e"
+    assert widget.locator(".charlm-map").count() == 16
+    assert widget.locator(".charlm-map canvas").first.get_attribute("width") == "18"
+    weights = [float(w) for w in widget.locator(".charlm-token").evaluate_all("s => s.map(x => x.dataset.weight)")]
+    assert abs(sum(weights) - 1) < 1e-3
+    # another head: the shaded text changes
+    widget.locator(".charlm-map").nth(5).click()
+    assert widget.locator(".charlm-map[aria-pressed='true']").get_attribute("aria-label") == "layer 1, head 1"
+    other = [float(w) for w in widget.locator(".charlm-token").evaluate_all("s => s.map(x => x.dataset.weight)")]
+    assert other != weights
+    assert not page.console_errors
+
+
+def test_unknown_characters_and_empty_input(page, site_url: str):
+    widget = open_widget(page, site_url)
+    box = widget.locator("textarea")
+    box.fill("héllo — 1€")
+    status = widget.locator(".charlm-status")
+    page.wait_for_function("sel => document.querySelector(sel).dataset.unknown === '3'", arg=WIDGET)
+    assert "3 characters are not in the model's vocabulary" in status.text_content()
+    assert "“é” (at 1)" in status.text_content()
+    text = widget.text_content()
+    assert "NaN" not in text
+    assert widget.locator(".charlm-probs li").count() == 10
+    box.fill("")
+    page.wait_for_function("sel => document.querySelector(sel).dataset.unknown === '0'", arg=WIDGET)
+    assert "Type some text above" in status.text_content()
+    assert widget.locator(".charlm-probs li").count() == 0
+    assert not page.console_errors
+
+
+def test_temperature_zero_is_certain(page, site_url: str):
+    widget = open_widget(page, site_url)
+    widget.locator("input[type=range]").fill("0")
+    assert widget.locator(".charlm-probs li").count() == 1
+    assert widget.locator(".charlm-probs .charlm-p").first.text_content() == "100.0%"
+    widget.locator("input[type=range]").fill("1.5")
+    assert widget.locator(".charlm-probs li").count() == 10
+
+
+def test_generate_adds_characters_and_stops(page, site_url: str):
+    widget = open_widget(page, site_url)
+    box = widget.locator("textarea")
+    box.fill("HAMLET.\n")
+    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 8", arg=WIDGET)
+    widget.get_by_role("button", name="Generate 60").click()
+    page.wait_for_function("sel => document.querySelector(sel + ' textarea').value.length >= 14", arg=WIDGET)
+    widget.get_by_role("button", name="Stop").click()
+    page.wait_for_function("sel => document.querySelector(sel).dataset.generating === '0'", arg=WIDGET)
+    stopped = box.input_value()
+    page.wait_for_timeout(300)
+    assert box.input_value() == stopped and stopped.startswith("HAMLET.\n") and len(stopped) >= 14
+    tokens = widget.locator(".charlm-token").count()
+    assert tokens == len(stopped)
+    widget.get_by_role("button", name="Next character").click()
+    assert len(box.input_value()) == len(stopped) + 1
+    assert not page.console_errors
+
+
+def test_keyboard_reaches_the_controls(page, site_url: str):
+    widget = open_widget(page, site_url)
+    widget.locator("textarea").focus()
+    labels = []
+    for _ in range(5):
+        page.keyboard.press("Tab")
+        labels.append(page.evaluate("document.activeElement.getAttribute('aria-label') || document.activeElement.textContent"))
+    assert labels[:4] == ["Sampling temperature", "Sample among the k most likely characters", "Next character",
+                          "Generate 60"]
+    page.keyboard.press("Shift+Tab")
+    page.keyboard.press("Enter")  # "Next character" by keyboard
+    page.wait_for_function("sel => document.querySelector(sel + ' textarea').value.length > 0", arg=WIDGET)
+
+
+def test_fits_a_phone(page, site_url: str):
+    page.set_viewport_size({"width": 390, "height": 800})
+    widget = open_widget(page, site_url)
+    box = widget.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 390
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    maps = widget.locator(".charlm-map").first.bounding_box()
+    assert maps["width"] >= 40
+    assert not page.console_errors

@@ -1,0 +1,329 @@
+"""The character-level language model of page 11 (attention_ref.lm).
+
+The model is checked against an independent forward pass written here with PyTorch's own
+functions (F.scaled_dot_product_attention, F.layer_norm) in float64; the KV-cache path against
+the full pass; generation with and without the cache; the shipped weights against the record
+of the run that made them (the first training steps rerun from the same seed give the
+recorded losses).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from attention_ref import lm
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return lm.load_char_lm()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    text = lm.load_corpus()
+    tok = lm.CharTokenizer.from_text(text)
+    train_text, held_out = lm.split_corpus(text)
+    return tok, tok.encode(train_text), tok.encode(held_out)
+
+
+def small(**kw) -> lm.CharLM:
+    torch.manual_seed(0)
+    config = dict(vocab_size=7, context=13, layers=2, heads=2, width=12)
+    config.update(kw)
+    model = lm.CharLM(lm.LMConfig(**config)).double()
+    with torch.no_grad():  # biases and norms away from their 0/1 start, so they count
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def independent_forward(model: lm.CharLM, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits, computed with torch's functions and a rotation written out here."""
+    c = model.config
+    B, L = ids.shape
+    D = c.width // c.heads
+    sd = model.state_dict()
+    x = sd["embed.weight"][ids]
+    if c.positions == "learned":
+        x = x + sd["position.weight"][:L]
+    pos = torch.arange(L, dtype=torch.float64)
+    theta = 10000.0 ** (-torch.arange(D // 2, dtype=torch.float64) * 2 / D)
+    cos, sin = (pos[:, None] * theta).cos(), (pos[:, None] * theta).sin()  # (L, D/2)
+
+    def rotate(t):  # (B, H, L, D): pairs (j, j + D/2)
+        a, b = t[..., : D // 2], t[..., D // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    for i in range(c.layers):
+        p = f"blocks.{i}."
+        h = F.layer_norm(x, (c.width,), sd[p + "norm1.weight"], sd[p + "norm1.bias"])
+        q, k, v = F.linear(h, sd[p + "qkv.weight"], sd[p + "qkv.bias"]).split(c.width, dim=-1)
+        q, k, v = (t.view(B, L, c.heads, D).transpose(1, 2) for t in (q, k, v))
+        if c.positions == "rope":
+            q, k = rotate(q), rotate(k)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, c.width)
+        x = x + F.linear(a, sd[p + "out.weight"], sd[p + "out.bias"])
+        if c.mlp:
+            h = F.layer_norm(x, (c.width,), sd[p + "norm2.weight"], sd[p + "norm2.bias"])
+            h = F.gelu(F.linear(h, sd[p + "up.weight"], sd[p + "up.bias"]), approximate="tanh")
+            x = x + F.linear(h, sd[p + "down.weight"], sd[p + "down.bias"])
+    x = F.layer_norm(x, (c.width,), sd["norm.weight"], sd["norm.bias"])
+    return x @ sd["embed.weight"].T
+
+
+@pytest.mark.parametrize("kw", [{}, {"positions": "none"}, {"positions": "learned"}, {"mlp": False},
+                                {"layers": 3, "heads": 3}])
+def test_forward_equals_torch_in_float64(kw):
+    model = small(**kw)
+    ids = torch.randint(0, 7, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+    torch.testing.assert_close(ours, independent_forward(model, ids), rtol=1e-10, atol=1e-10)
+
+
+def test_learned_positions_stop_at_the_context():
+    model = small(positions="learned")
+    caches = model.new_caches(max_length=20)
+    model(torch.zeros(1, 13, dtype=torch.long), caches=caches)
+    with pytest.raises(ValueError, match="ids: learned positions stop at context = 13, got positions up to 13"):
+        model(torch.zeros(1, 1, dtype=torch.long), caches=caches)
+
+
+def test_causal_no_leak_from_the_future():
+    model = small()
+    ids = torch.randint(0, 7, (1, 11), generator=torch.Generator().manual_seed(2))
+    changed = ids.clone()
+    changed[0, 7:] = (changed[0, 7:] + 1) % 7
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_kv_cache_in_chunks_equals_the_full_pass():
+    model = small()
+    ids = torch.randint(0, 7, (2, 13), generator=torch.Generator().manual_seed(3))
+    caches = model.new_caches(batch=2)
+    with torch.no_grad():
+        full, full_w = model(ids, return_weights=True)
+        parts = [model(ids[:, a:b], caches=caches, return_weights=True) for a, b in ((0, 5), (5, 6), (6, 13))]
+    torch.testing.assert_close(torch.cat([p[0] for p in parts], dim=1), full, rtol=1e-12, atol=1e-12)
+    # the last chunk's weights are the last rows of the full maps
+    torch.testing.assert_close(parts[2][1][1], full_w[1][:, :, 6:, :], rtol=1e-12, atol=1e-12)
+
+
+def test_weights_are_causal_and_sum_to_one():
+    model = small()
+    ids = torch.randint(0, 7, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, weights = model(ids, return_weights=True)
+    for w in weights:
+        assert w.shape == (2, 2, 9, 9)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 2, 9, dtype=w.dtype))
+        assert (w.triu(1) == 0).all()
+
+
+def test_ablating_a_head_removes_its_output():
+    model = small()
+    ids = torch.randint(0, 7, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        base = model(ids)
+        ablated = model(ids, ablate=[(1, 0)])
+        # by hand: zero head 0's slice of the out projection's input in layer 1
+        w = model.blocks[1].out.weight
+        saved = w.clone()
+        w[:, :6] = 0
+        by_hand = model(ids)
+        w.copy_(saved)
+    assert not torch.allclose(base, ablated)
+    torch.testing.assert_close(ablated, by_hand, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"ablate: no head \(2, 0\) in 2 layers x 2 heads"):
+        model(ids, ablate=[(2, 0)])
+
+
+def test_bad_inputs_are_named():
+    model = small()
+    with pytest.raises(ValueError, match="ids: at most context = 13 tokens, got L = 14"):
+        model(torch.zeros(1, 14, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"ids must be an int64 tensor \(B, L\), got torch.float32"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 7\), got values 0..7"):
+        model(torch.tensor([[0, 7]]))
+    with pytest.raises(ValueError, match="width must be heads x an even head size"):
+        lm.LMConfig(vocab_size=5, width=12, heads=4)
+    with pytest.raises(ValueError, match="positions must be 'rope', 'learned' or 'none', got 'alibi'"):
+        lm.LMConfig(vocab_size=5, positions="alibi")
+
+
+def test_tokenizer_round_trip_and_errors():
+    tok = lm.CharTokenizer.from_text("hello world")
+    assert tok.chars == " dehlorw"
+    assert tok.decode(tok.encode("world hello")) == "world hello"
+    with pytest.raises(ValueError, match=r"text: 2 characters outside the vocabulary of 8: 'é' \(at index 1\), "
+                                         r"'!' \(at index 5\)"):
+        tok.encode("hé lo!")
+    assert tok.unknown("hé lo!") == [(1, "é"), (5, "!")]
+    with pytest.raises(ValueError, match=r"given more than once: \['a'\]"):
+        lm.CharTokenizer("aba")
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 8\), got \[8\]"):
+        tok.decode([8])
+
+
+def test_generate_with_and_without_cache_agree():
+    model = small()
+    prompt = torch.tensor([1, 2, 3])
+    for T, k in ((0.0, None), (1.0, None), (0.7, 3)):
+        a = lm.generate(model, prompt, 9, temperature=T, top_k=k, generator=torch.Generator().manual_seed(0))
+        b = lm.generate(model, prompt, 9, temperature=T, top_k=k, generator=torch.Generator().manual_seed(0),
+                        use_cache=False)
+        assert a.tolist() == b.tolist()
+        assert a[:3].tolist() == [1, 2, 3] and len(a) == 12
+
+
+def test_generate_greedy_is_argmax_and_top_k_1_is_greedy():
+    model = small()
+    prompt = torch.tensor([[4, 0]])
+    greedy = lm.generate(model, prompt, 5, temperature=0.0)
+    ids = prompt
+    for _ in range(5):
+        with torch.no_grad():
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert greedy.tolist() == ids.tolist()
+    top1 = lm.generate(model, prompt, 5, temperature=1.7, top_k=1, generator=torch.Generator().manual_seed(3))
+    assert top1.tolist() == greedy.tolist()
+
+
+def test_sampling_follows_temperature_and_top_k():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([lm._sample(logits, 0.5, None, g) for _ in range(4000)]).flatten()
+    expected = torch.softmax(logits[0].double() / 0.5, -1)
+    observed = torch.bincount(draws, minlength=4).double() / 4000
+    assert (observed - expected).abs().max() < 0.03
+    draws = torch.stack([lm._sample(logits, 1.0, 2, g) for _ in range(500)]).flatten()
+    assert set(draws.tolist()) == {0, 1}
+
+
+def test_generate_refuses_bad_arguments():
+    model = small()
+    prompt = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"text must fit the context: prompt of 2 \+ steps 12 > context = 13"):
+        lm.generate(model, prompt, 12)
+    assert len(lm.generate(model, prompt, 12, use_cache=False)) == 14
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got -1"):
+        lm.generate(model, prompt, 2, temperature=-1)
+    with pytest.raises(ValueError, match="top_k must be None or an int >= 1, got 0"):
+        lm.generate(model, prompt, 2, top_k=0)
+    with pytest.raises(ValueError, match="steps must be an int >= 0, got -1"):
+        lm.generate(model, prompt, -1)
+    with pytest.raises(ValueError, match="prompt: at least one character"):
+        lm.generate(model, torch.zeros(0, dtype=torch.long), 2)
+
+
+def test_ngram_losses_by_hand():
+    train = torch.tensor([0, 0, 1, 0])
+    held = torch.tensor([0, 1, 1])
+    # unigram counts + 1: [4, 2] of 6 -> held targets 1, 1 (the first id is never predicted)
+    assert lm.ngram_loss(train, held, 2, 1) == pytest.approx(-math.log(2 / 6))
+    # bigram pairs (0,0), (0,1), (1,0) + 1: after 0 -> [2, 2]; after 1 -> [2, 1]
+    assert lm.ngram_loss(train, held, 2, 2) == pytest.approx(-(math.log(2 / 4) + math.log(1 / 3)) / 2)
+
+
+def test_evaluate_equals_cross_entropy_by_hand():
+    model = small()
+    ids = torch.randint(0, 7, (40,), generator=torch.Generator().manual_seed(6))
+    windows = ids[:39].view(3, 13)
+    with torch.no_grad():
+        logits = model(windows)
+    expected = F.cross_entropy(logits.reshape(-1, 7), ids[1:40].view(3, 13).reshape(-1)).item()
+    assert lm.evaluate(model, ids) == pytest.approx(expected, rel=1e-12)
+
+
+def test_head_scores_on_perfect_patterns():
+    L, P = 10, 4
+    prev = torch.zeros(1, 1, L, L)
+    prev[0, 0, 0, 0] = 1
+    for i in range(1, L):
+        prev[0, 0, i, i - 1] = 1
+    assert lm.previous_token_score(prev).item() == 1.0
+    ind = torch.zeros(1, 1, 2 * P, 2 * P)
+    for i in range(P, 2 * P):
+        ind[0, 0, i, i - P + 1] = 1
+    assert lm.induction_score(ind, P).item() == 1.0
+    assert lm.induction_score(prev, P).item() == 0.0
+    with pytest.raises(ValueError, match=r"period must lie in \[1, L = 10\), got 10"):
+        lm.induction_score(prev, 10)
+
+
+def test_copy_task_copies_and_marks_what_is_predictable():
+    g = torch.Generator().manual_seed(0)
+    inputs, targets, copied, distance = lm.copy_task(g, 64, 64, 73, min_span=20, max_span=31)
+    assert inputs.shape == targets.shape == copied.shape == (64, 64)
+    torch.testing.assert_close(inputs[:, 1:], targets[:, :-1])
+    for b in range(64):
+        seq = torch.cat([inputs[b], targets[b, -1:]])  # the context + 1 characters
+        where = copied[b].nonzero().flatten()
+        # targets t .. t + s - 2 are predictable: the copy starts at second = where[0], is s long
+        second, s = int(where[0]), len(where) + 1
+        assert 20 <= s <= 31 and where.tolist() == list(range(second, second + s - 1))
+        span = seq[second:second + s]
+        assert torch.equal(seq[second - distance[b]:second - distance[b] + s], span)
+    # a perfect induction map scores 1 in copy_attention
+    perfect = torch.zeros(64, 1, 64, 64)
+    b, i = copied.nonzero(as_tuple=True)
+    perfect[b, 0, i, i - distance[b] + 1] = 1
+    assert lm.copy_attention(perfect, copied, distance).item() == 1.0
+    with pytest.raises(ValueError, match="2 \\* max_span \\+ 1 <= context"):
+        lm.copy_task(g, 1, 16, 5, max_span=8)
+
+
+def test_shipped_weights_reproduce_the_recorded_first_steps(shipped, corpus):
+    model, tok, record = shipped
+    _, train_ids, _ = corpus
+    config = lm.TrainConfig(**{**record["train_config"], "steps": 20})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(record["threads"])
+    try:
+        fresh = lm.CharLM(model.config)
+        log = lm.train(fresh, train_ids, config)
+    finally:
+        torch.set_num_threads(threads)
+    recorded = record["log"]["train_loss"][:20]
+    assert max(abs(a - b) for a, b in zip(log.train_loss, recorded)) < 1e-4
+    assert recorded[0] > math.log(len(tok)) - 0.1 and recorded[-1] < recorded[0] - 0.5
+
+
+def test_shipped_weights_give_the_recorded_held_out_loss(shipped, corpus):
+    model, tok, record = shipped
+    tok2, _, held_ids = corpus
+    assert tok.chars == tok2.chars
+    assert lm.evaluate(model, held_ids) == pytest.approx(record["held_out_loss_float16"], abs=1e-4)
+    assert record["log"]["eval_loss"][-1] < 1.7
+
+
+def test_browser_export_holds_every_weight(shipped):
+    model, tok, _ = shipped
+    manifest, raw = lm.browser_export(model, tok)
+    halves = torch.frombuffer(bytearray(raw), dtype=torch.float16)
+    assert manifest["numbers"] == halves.numel() == model.num_parameters()
+    state = model.state_dict()
+    assert [t["name"] for t in manifest["tensors"]] == list(state)
+    for t in manifest["tensors"]:
+        value = state[t["name"]]
+        got = halves[t["offset"]:t["offset"] + value.numel()].view(t["shape"]).float()
+        assert torch.equal(got, value)  # the shipped weights are float16 values already
+    assert manifest["chars"] == tok.chars and manifest["config"]["context"] == model.config.context
+
+
+def test_widget_html_escapes_and_checks():
+    html = lm.widget_html("../x.json", prompt='a "b" <c>\n')
+    assert 'data-prompt="a &quot;b&quot; &lt;c&gt;\n"' in html and 'data-src="../x.json"' in html
+    with pytest.raises(ValueError, match="temperature must lie in \\[0, 2\\], got 3"):
+        lm.widget_html("x", temperature=3)
+    with pytest.raises(ValueError, match="top_k must be an int >= 1, got 0"):
+        lm.widget_html("x", top_k=0)
