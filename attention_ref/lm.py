@@ -64,6 +64,7 @@ __all__ = [
 CORPUS_FILE = "shakespeare.txt.gz"
 WEIGHTS_FILE = "char_lm.pt"
 COPY_WEIGHTS_FILE = "copy_lm.pt"
+SINKS_WEIGHTS_FILE = "char_lm_sinks.pt"
 
 
 def _data_file(name: str) -> bytes:
@@ -186,6 +187,9 @@ class LMConfig:
             at most ``context`` tokens) or ``"none"`` (no position information: causal
             attention alone).
         mlp: give each block its MLP; ``False`` makes an attention-only model.
+        sinks: give each head a learned sink logit (`attention_ref.sinks`, as gpt-oss does):
+            ``exp(sink)`` joins every row's softmax denominator, so a head can put weight
+            on "nothing" instead of on some token.
     """
 
     vocab_size: int
@@ -195,6 +199,7 @@ class LMConfig:
     width: int = 128
     positions: str = "rope"
     mlp: bool = True
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context", "layers", "heads", "width"):
@@ -204,8 +209,9 @@ class LMConfig:
                              f"heads={self.heads}")
         if self.positions not in ("rope", "learned", "none"):
             raise ValueError(f"positions must be 'rope', 'learned' or 'none', got {self.positions!r}")
-        if not isinstance(self.mlp, bool):
-            raise TypeError(f"mlp must be a bool, got {type(self.mlp).__name__}")
+        for name in ("mlp", "sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
 
 class Block(nn.Module):
@@ -218,14 +224,16 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.out = nn.Linear(d, d)
+        # one learned sink logit per head, 0 at the start (exp(0) = 1 joins each denominator)
+        self.sinks = nn.Parameter(torch.zeros(config.heads)) if config.sinks else None
         if config.mlp:
             self.norm2 = nn.LayerNorm(d)
             self.up = nn.Linear(d, 4 * d)
             self.down = nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *,
-                cache: KVCache | None = None,
-                keep_heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: KVCache | None = None, keep_heads: torch.Tensor | None = None,
+                mask_mod: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``(B, L, d)`` -> ``(x, weights)``, weights ``(B, H, L, S)``."""
         B, L, d = x.shape
         H = self.config.heads
@@ -238,13 +246,14 @@ class Block(nn.Module):
             q, k = rope(q, positions), rope(k, positions)
         if cache is None:
             out, weights = scaled_dot_product_attention(
-                q, k, v, is_causal=True, return_weights=True)
+                q, k, v, is_causal=mask_mod is None, mask_mod=mask_mod,
+                sinks=self.sinks, return_weights=True)
         else:
             # the new keys and values, after the ones held
             cache.append(k, v)
             out, weights = attention_with_kv_cache(
                 q, cache.key_cache, cache.value_cache, cache.lengths,
-                is_causal=True, return_weights=True)
+                is_causal=True, sinks=self.sinks, return_weights=True)
         # out (B, H, L, D); weights (B, H, L, S), S = the keys seen
         if keep_heads is not None:
             # an ablated head adds nothing
@@ -291,6 +300,8 @@ class CharLM(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear):
             nn.init.zeros_(module.bias)
+        if isinstance(module, Block) and module.sinks is not None:
+            nn.init.zeros_(module.sinks)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -307,7 +318,9 @@ class CharLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, *, return_weights: bool = False,
                 caches: Sequence[KVCache] | None = None,
-                ablate: Iterable[tuple[int, int]] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+                ablate: Iterable[tuple[int, int]] = (),
+                mask_mod: Callable | None = None,
+                max_length: int | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Next-character logits for every position.
 
         Args:
@@ -316,6 +329,11 @@ class CharLM(nn.Module):
             caches: one `attention_ref.kv_cache.KVCache` per layer: the tokens of ``ids``
                 follow the ones the caches hold (their positions continue from there).
             ablate: ``(layer, head)`` pairs whose output is zeroed (the head is switched off).
+            mask_mod: a FlexAttention mask mod (`attention_ref.mods`, True = takes part)
+                used instead of the causal mask, e.g. ``mods.sliding_window(63,
+                sink_tokens=4)``; it must be causal itself. Not with ``caches``.
+            max_length: read up to this many tokens without caches (default ``context``):
+                a longer text than the model was trained on, to see what happens.
 
         Raises:
             TypeError, ValueError: bad ``ids``; more tokens than ``context`` without caches;
@@ -324,13 +342,17 @@ class CharLM(nn.Module):
         ids = self._check_ids(ids)
         B, L = ids.shape
         start = 0
+        limit = self.config.context if max_length is None else check_positive_int("max_length", max_length)
         if caches is None:
-            if L > self.config.context:
-                raise ValueError(f"ids: at most context = {self.config.context} tokens, got L = {L}")
+            if L > limit:
+                what = "context" if max_length is None else "max_length"
+                raise ValueError(f"ids: at most {what} = {limit} tokens, got L = {L}")
         else:
             if len(caches) != self.config.layers:
                 raise ValueError(f"caches: one per layer ({self.config.layers}), got {len(caches)}")
             start = caches[0].length
+            if mask_mod is not None:
+                raise ValueError("mask_mod: not with caches (the cache path is causal over every key held)")
         if self.config.positions == "learned" and start + L > self.config.context:
             raise ValueError(f"ids: learned positions stop at context = {self.config.context}, "
                              f"got positions up to {start + L - 1}")
@@ -348,7 +370,7 @@ class CharLM(nn.Module):
         all_weights = []
         for i, block in enumerate(self.blocks):
             x, weights = block(x, positions, cache=None if caches is None else caches[i],
-                               keep_heads=None if bool(keep[i].all()) else keep[i])
+                               keep_heads=None if bool(keep[i].all()) else keep[i], mask_mod=mask_mod)
             all_weights.append(weights)
         logits = self.norm(x) @ self.embed.weight.T  # (B, L, d) @ (d, V) -> (B, L, V)
         return (logits, all_weights) if return_weights else logits
@@ -657,10 +679,13 @@ def load_char_lm(source: str | bytes | None = None) -> tuple[CharLM, CharTokeniz
     Args:
         source: a path or the bytes of another file that script wrote; default the shipped
             one. ``"copy"``: the shipped copy-task model (`COPY_MODEL`, trained on
-            `copy_batches`), where induction heads formed.
+            `copy_batches`), where induction heads formed. ``"sinks"``: the model of page 11
+            trained again, the same way, with a learned sink per head (``sinks=True``).
     """
     if source == "copy":
         source = _data_file(COPY_WEIGHTS_FILE)
+    elif source == "sinks":
+        source = _data_file(SINKS_WEIGHTS_FILE)
     raw = _data_file(WEIGHTS_FILE) if source is None else (
         source if isinstance(source, bytes) else open(source, "rb").read())
     saved = torch.load(io.BytesIO(raw), weights_only=True)

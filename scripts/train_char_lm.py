@@ -3,6 +3,7 @@
     python3 scripts/train_char_lm.py                      # writes attention_ref/data/char_lm.pt
     python3 scripts/train_char_lm.py --out /tmp/lm.pt --steps 200
     python3 scripts/train_char_lm.py --copy               # writes attention_ref/data/copy_lm.pt
+    python3 scripts/train_char_lm.py --sinks              # writes attention_ref/data/char_lm_sinks.pt
 
 ``--copy`` trains the page's second model instead: two attention-only layers of two heads on
 `attention_ref.lm.copy_task` (spans of 20-31 random characters, repeated once), where
@@ -32,6 +33,7 @@ from attention_ref import lm  # noqa: E402
 
 OUT = ROOT / "attention_ref" / "data" / lm.WEIGHTS_FILE
 COPY_OUT = ROOT / "attention_ref" / "data" / lm.COPY_WEIGHTS_FILE
+SINKS_OUT = ROOT / "attention_ref" / "data" / lm.SINKS_WEIGHTS_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help=f"default {OUT.relative_to(ROOT)} "
                         f"({COPY_OUT.relative_to(ROOT)} with --copy)")
     parser.add_argument("--copy", action="store_true", help="train the copy-task model instead")
+    parser.add_argument("--sinks", action="store_true",
+                        help="give every head a learned sink (the model of page 11's sink experiment)")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
@@ -59,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.copy:
         return train_copy(args.out or COPY_OUT, args.threads)
-    args.out = args.out or OUT
+    args.out = args.out or (SINKS_OUT if args.sinks else OUT)
 
     text = lm.load_corpus()
     tokenizer = lm.CharTokenizer.from_text(text)
     train_text, held_out = lm.split_corpus(text)
     train_ids, eval_ids = tokenizer.encode(train_text), tokenizer.encode(held_out)
     model_config = lm.LMConfig(vocab_size=len(tokenizer), context=args.context, layers=args.layers,
-                               heads=args.heads, width=args.width)
+                               heads=args.heads, width=args.width, sinks=args.sinks)
     config = lm.TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr,
                             seed=args.seed, eval_every=args.eval_every)
     model = lm.CharLM(model_config)

@@ -66,7 +66,14 @@ def independent_forward(model: lm.CharLM, ids: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.view(B, L, c.heads, D).transpose(1, 2) for t in (q, k, v))
         if c.positions == "rope":
             q, k = rotate(q), rotate(k)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, c.width)
+        if c.sinks:  # softmax over [sink | scores], the sink's weight dropped (gpt-oss)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+            scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+            sink = sd[p + "sinks"].view(1, -1, 1, 1).expand(B, -1, L, 1)
+            a = torch.softmax(torch.cat([sink, scores], dim=-1), dim=-1)[..., 1:] @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.transpose(1, 2).reshape(B, L, c.width)
         x = x + F.linear(a, sd[p + "out.weight"], sd[p + "out.bias"])
         if c.mlp:
             h = F.layer_norm(x, (c.width,), sd[p + "norm2.weight"], sd[p + "norm2.bias"])
@@ -77,7 +84,7 @@ def independent_forward(model: lm.CharLM, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kw", [{}, {"positions": "none"}, {"positions": "learned"}, {"mlp": False},
-                                {"layers": 3, "heads": 3}])
+                                {"layers": 3, "heads": 3}, {"sinks": True}])
 def test_forward_equals_torch_in_float64(kw):
     model = small(**kw)
     ids = torch.randint(0, 7, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -304,6 +311,47 @@ def test_shipped_weights_give_the_recorded_held_out_loss(shipped, corpus):
     assert tok.chars == tok2.chars
     assert lm.evaluate(model, held_ids) == pytest.approx(record["held_out_loss_float16"], abs=1e-4)
     assert record["log"]["eval_loss"][-1] < 1.7
+
+
+def test_shipped_sinks_model_gives_its_recorded_loss_and_uses_its_sinks(corpus):
+    model, tok, record = lm.load_char_lm("sinks")
+    _, _, held_ids = corpus
+    assert model.config.sinks and all(b.sinks is not None for b in model.blocks)
+    assert lm.evaluate(model, held_ids) == pytest.approx(record["held_out_loss_float16"], abs=1e-4)
+    with torch.no_grad():
+        _, weights = model(held_ids[:256].view(2, 128), return_weights=True)
+    on_sink = torch.stack([1 - w.sum(-1).mean((0, 2)) for w in weights])
+    assert on_sink.min() >= 0 and on_sink.max() > 0.3
+
+
+def test_kv_cache_with_sinks_equals_the_full_pass():
+    model = small(sinks=True)
+    ids = torch.randint(0, 7, (1, 10), generator=torch.Generator().manual_seed(7))
+    caches = model.new_caches()
+    with torch.no_grad():
+        full = model(ids)
+        stepped = torch.cat([model(ids[:, i:i + 1], caches=caches) for i in range(10)], dim=1)
+    torch.testing.assert_close(stepped, full, rtol=1e-12, atol=1e-12)
+
+
+def test_mask_mod_replaces_the_causal_mask():
+    from attention_ref import mods
+
+    model = small()
+    ids = torch.randint(0, 7, (1, 13), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        causal = model(ids)
+        same = model(ids, mask_mod=mods.causal())
+        window = model(ids, mask_mod=mods.sliding_window(2))
+        longer = model(torch.cat([ids, ids], 1), mask_mod=mods.sliding_window(2), max_length=26)
+    torch.testing.assert_close(same, causal, rtol=0, atol=0)
+    torch.testing.assert_close(window[:, :3], causal[:, :3], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(window[:, 3:], causal[:, 3:])
+    assert longer.shape == (1, 26, 7)
+    with pytest.raises(ValueError, match="mask_mod: not with caches"):
+        model(ids, caches=model.new_caches(), mask_mod=mods.causal())
+    with pytest.raises(ValueError, match="ids: at most max_length = 20 tokens, got L = 26"):
+        model(torch.cat([ids, ids], 1), max_length=20)
 
 
 def test_browser_export_holds_every_weight(shipped):

@@ -26,6 +26,9 @@
   class CharModel {
     constructor(manifest, buffer) {
       const c = manifest.config;
+      if (c.sinks || c.positions === "learned") {
+        throw new Error("this script runs models with rotary positions and no sinks only");
+      }
       this.chars = manifest.chars;
       this.V = c.vocab_size;
       this.d = c.width;
