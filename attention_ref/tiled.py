@@ -672,6 +672,7 @@ def _tiled(
     prefix = batch[:-1] if enable_gqa else batch  # the dims in front of the heads
     N = math.prod(prefix)
     compute = torch.promote_types(query.dtype, torch.float32)
+    _check_float_mask(mask, compute)
     # Differentiable layout changes (autograd sums broadcast dims back for us). The scale and
     # log2(e) are folded into the queries once: (q * scale * log2 e) @ k^T = log2(e) * scores.
     q = (query.to(compute) * (scale * _LOG2E)).expand(*batch, L, E)
@@ -732,6 +733,7 @@ def _scores_block(
     score_mod: mods.ScoreMod | None = None,
     keep: list[tuple[int, torch.Tensor]] = (),  # type: ignore[assignment]
     grids: tuple[torch.Tensor, ...] = (),
+    offset_last: bool = False,
 ) -> torch.Tensor:
     """Masked scores (times log2 e) of query rows i0:i1 against keys j0:j1, plus ``offset``: ``(N * Hkv, G * bq, bk)``.
 
@@ -751,7 +753,10 @@ def _scores_block(
     bq, bk = i1 - i0, j1 - j0
     s = _buffer(q_blk, NK, GB, bk) if out is None else _start_of(out, NK, GB, bk)
     terms = []  # (a view of s, a term that broadcasts to it), summed into s before the product
-    if offset is not None:
+    # offset_last (a float mask): the offset is added after the masked scores, in the order of the
+    # math path, so that a huge mask value rounds the score away first (transformers' finfo.min rows)
+    late = offset if offset_last else None
+    if offset is not None and not offset_last:
         terms.append((s, offset))
     if is_causal and j1 - 1 > i0:  # the block reaches above the diagonal: hide keys j > i
         above = torch.full((bq, bk), _NEG_INF, dtype=s.dtype, device=s.device).triu_(i0 - j0 + 1)  # -inf where j > i
@@ -759,7 +764,7 @@ def _scores_block(
     if mask is not None:
         m_blk = _mask_block(mask, i0, i1, j0, j1)
         # A float mask is added to the scores (times log2 e, like them); a boolean one adds 0 or -inf.
-        bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else m_blk.to(s.dtype) * _LOG2E
+        bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else _float_bias(m_blk, s.dtype)
         terms.append((s.view(*batch, bq, bk), bias))  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
     for first, piece in keep:  # (..., H, bq, bk) -> the columns of the piece, a strided view
         terms.append((s.view(*batch, bq, bk)[..., first:first + piece.shape[-1]], piece))
@@ -770,10 +775,11 @@ def _scores_block(
         view.copy_(_modified_scores(score_mod, view, grids, i0, j0)).mul_(_LOG2E)
         for view, term in terms:
             view.add_(term)
-        return s
+        return s if late is None else s.add_(late)
     # (N*Hkv, G*bq, E) @ (N*Hkv, E, bk) -> (N*Hkv, G*bq, bk), added onto the terms
     if not terms:
-        return torch.bmm(q_blk, kT_blk, out=s)
+        torch.bmm(q_blk, kT_blk, out=s)
+        return s if late is None else s.add_(late)
     terms.sort(key=lambda vt: vt[0].numel() != s.numel())  # a term over the whole block first
     (view, term), *rest = terms
     if view.numel() == s.numel():
@@ -783,7 +789,8 @@ def _scores_block(
         rest = terms
     for view, term in rest:
         view.add_(term)
-    return s.baddbmm_(q_blk, kT_blk)
+    s.baddbmm_(q_blk, kT_blk)
+    return s if late is None else s.add_(late)
 
 
 def _grids(batch: tuple[int, ...], L: int, S: int, device: torch.device | str | None) -> tuple[torch.Tensor, ...]:
@@ -807,6 +814,34 @@ def _mod_block(
     """``mask_mod`` on queries i0:i1 and keys j0:j1: bool, broadcastable to ``(..., H, i1 - i0, j1 - j0)``."""
     b, h, q_idx, kv_idx = grids
     return mask_mod(b, h, q_idx[..., i0:i1, :], kv_idx[..., j0:j1])  # slices of the call's grids: views
+
+
+def _float_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float mask block in log2 units. ``finfo(dtype).min`` (transformers' padding value) times
+    log2 e overflows to -inf; it stays ``finfo.min``, so that a row masked with it everywhere
+    gives what the math path gives (scores + finfo.min round to finfo.min: a uniform row, the
+    mean of the values), not a row with no key. `_check_float_mask` refuses the values between
+    ``finfo.min`` and ``finfo.min / log2 e``, which no log2-unit score can represent."""
+    mask = mask.to(dtype)
+    bias = mask * _LOG2E
+    return bias.masked_fill_(torch.isneginf(bias) & torch.isfinite(mask), torch.finfo(dtype).min)
+
+
+def _check_float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """Refuse a float mask with a value in ``(finfo.min, finfo.min / log2 e)``: log2-unit scores
+    cannot hold it, and rounding it to ``finfo.min`` could change which keys a row keeps."""
+    if mask is None or mask.dtype == torch.bool or mask.device.type == "meta":
+        return
+    finfo = torch.finfo(dtype)
+    m = mask.to(dtype)
+    band = (m > finfo.min) & (m < finfo.min / _LOG2E)
+    if bool(band.any()):
+        value = float(m[band].flatten()[0])
+        raise ValueError(
+            f"attn_mask: the tiled backend computes in log2 units and cannot represent float mask values "
+            f"between finfo({dtype}).min = {finfo.min:.4g} and finfo.min / log2(e) = {finfo.min / _LOG2E:.4g}; "
+            f"got {value:.4g}. Use finfo.min, -inf or a boolean mask (or backend='math')"
+        )
 
 
 def _bool_to_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -875,8 +910,14 @@ class _TiledAttention(torch.autograd.Function):
         S, Ev = v.shape[-2:]
         out = torch.empty(NK, G, L, Ev, dtype=q.dtype, device=q.device)
         lse = torch.empty(NK, G, L, 1, dtype=q.dtype, device=q.device)
+        # With a float mask the backward also needs each row's max and sum apart: a huge mask value
+        # (finfo.min) absorbs log2(l) in lse = m + log2(l), and P = exp(S - lse) would lose l.
+        float_mask = mask is not None and mask.dtype != torch.bool
+        m_rows = torch.empty(NK, G, L, 1, dtype=q.dtype, device=q.device) if float_mask else None
+        l_rows = torch.empty_like(m_rows) if m_rows is not None else None
         kT = k.transpose(1, 2)  # (NK, S, E) -> (NK, E, S), a view
         span = max(block_k, _SPAN_KEYS)  # a block mask's neighbouring key blocks are computed together
+        float_mask = mask is not None and mask.dtype != torch.bool
         scores = _buffer(q, NK, G * min(block_q, L), min(span if kinds else block_k, S))  # reused by every block
         grids = _grids(batch, L, S, q.device) if score_mod is not None or mask_mod is not None else ()
         for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
@@ -895,7 +936,8 @@ class _TiledAttention(torch.autograd.Function):
                     # Lazy step: p = exp(s - m_i) against the old max, m_i subtracted inside the matmul;
                     # no max of this block, no rescaling. Kept unless the row sums exceed 2**_LAZY_GROWTH.
                     p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
-                                      offset=neg_m, out=scores, score_mod=score_mod, keep=keep, grids=grids).exp2_()
+                                      offset=neg_m, out=scores, score_mod=score_mod, keep=keep, grids=grids,
+                                      offset_last=float_mask).exp2_()
                     l_blk = p.sum(dim=-1, keepdim=True)
                     if l_blk.max().item() <= 2.0**_LAZY_GROWTH:  # False on inf, and on NaN (max keeps NaN)
                         l_i += l_blk
@@ -936,7 +978,12 @@ class _TiledAttention(torch.autograd.Function):
             out[:, :, i0:i1] = (acc / l_i.masked_fill(l_i == 0, 1.0)).view(NK, G, bq, Ev)
             # lse = m_i + log(l_i), the log of the softmax denominator (-inf on fully masked rows).
             lse[:, :, i0:i1] = (m_i + torch.log2(l_i)).view(NK, G, bq, 1)
-        ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else torch.empty(0))
+            if m_rows is not None:
+                m_rows[:, :, i0:i1] = m_i.view(NK, G, bq, 1)
+                l_rows[:, :, i0:i1] = l_i.view(NK, G, bq, 1)
+        none = torch.empty(0)
+        ctx.save_for_backward(q, k, v, out, lse, mask if mask is not None else none,
+                              m_rows if m_rows is not None else none, l_rows if l_rows is not None else none)
         ctx.has_mask = mask is not None
         ctx.options = (is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, pieces, grids)
         return out, lse * _LN2  # log2 units -> natural log (-inf stays -inf)
@@ -950,8 +997,9 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, d_out, d_lse):
-        q, k, v, out, lse, mask = ctx.saved_tensors
+        q, k, v, out, lse, mask, m_rows, l_rows = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
+        float_mask = mask is not None and mask.dtype != torch.bool
         is_causal, batch, block_q, block_k, score_mod, mask_mod, kinds, pieces, grids = ctx.options
         NK, G, L, E = q.shape
         S, Ev = v.shape[-2:]
@@ -962,6 +1010,9 @@ class _TiledAttention(torch.autograd.Function):
         neg_delta = (d_out * out).sum(dim=-1, keepdim=True).neg_().add_(d_lse.to(q.dtype))  # (NK, G, L, 1)
         # A fully masked row has lse = -inf; +inf makes every recomputed weight exp(-inf - inf) = 0.
         neg_lse = lse.masked_fill(lse == _NEG_INF, float("inf")).neg_()  # (NK, G, L, 1)
+        if float_mask:  # P = exp(S - m) / l, the order of the forward (see m_rows there)
+            neg_lse = m_rows.masked_fill(m_rows == _NEG_INF, float("inf")).neg_()
+            inv_l = 1.0 / l_rows.masked_fill(l_rows == 0, 1.0)  # (NK, G, L, 1)
         dq = torch.zeros_like(q)
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(v)
@@ -984,7 +1035,10 @@ class _TiledAttention(torch.autograd.Function):
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
                 p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,
                                   offset=neg_lse[:, :, i0:i1].reshape(NK, G * bq, 1), out=scores,
+                                  offset_last=float_mask,
                                   score_mod=score_mod, keep=keep, grids=grids).exp2_()
+                if float_mask:
+                    p.mul_(inv_l[:, :, i0:i1].reshape(NK, G * bq, 1))
                 do_blk = d_out[:, :, i0:i1].reshape(NK, G * bq, Ev)
                 # dV_j += P^T dO: (NK, bk, G*bq) @ (NK, G*bq, Ev) -> (NK, bk, Ev)
                 dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_blk)

@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -457,3 +458,63 @@ def test_other_processes_load_is_read_in_pairs_a_few_milliseconds_apart(monkeypa
     assert tiled._others_running() == 1 and slept == [tiled._READING_GAP_S] * 2
     machine, own = iter([3, 3, 3]), iter([1, 1, 1])
     assert tiled._others_running() == 2  # busy in every reading: it counts
+
+
+# transformers pads with finfo(dtype).min, not -inf: a row masked with it everywhere is the mean of
+# the values on torch and the math path (scores + finfo.min round to finfo.min). Issue 39, S1: the
+# tiled path multiplied the mask by log2(e), overflowed to -inf and gave 0.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(6))
+def test_finfo_min_rows_agree_across_backends(dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    L, S = int(torch.randint(2, 40, (1,), generator=g)), int(torch.randint(2, 40, (1,), generator=g))
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=dtype) for n in (L, S, S))
+    low = torch.finfo(dtype).min
+    mask = torch.zeros(2, 3, L, S, dtype=dtype)
+    mask[torch.rand(2, 3, L, S, generator=g) < 0.3] = low  # some keys padded
+    mask[:, :, int(torch.randint(0, L, (1,), generator=g))] = low  # one row padded everywhere
+    expected = F.scaled_dot_product_attention(q, k, v, mask)
+    for backend in ("math", "tiled", "sdpa"):
+        got = scaled_dot_product_attention(q, k, v, mask, backend=backend)
+        torch.testing.assert_close(got, expected, msg=backend)
+    got = tiled_attention(q, k, v, mask, block_q=7, block_k=5)
+    torch.testing.assert_close(got, expected)
+
+
+def test_auto_agrees_across_its_switch_over_on_finfo_min_rows(monkeypatch):
+    from attention_ref import backends
+
+    q, k, v = torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8)
+    mask = torch.zeros(24, 24)
+    mask[5] = torch.finfo(torch.float32).min
+    short = scaled_dot_product_attention(q, k, v, mask, backend="auto")  # the math path
+    monkeypatch.setattr(backends, "CPU_TILED_MIN_LENGTH", 16)  # now 24 tokens switch to tiled
+    assert backends.select_backend(q, k, v, mask) == "tiled"
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, mask, backend="auto"), short)
+
+
+def test_tiled_refuses_mask_values_it_cannot_represent():
+    q = torch.randn(1, 4, 8)
+    mask = torch.zeros(4, 4)
+    mask[1, 2] = -3e38  # below finfo.min / log2(e), above finfo.min
+    with pytest.raises(ValueError, match=r"attn_mask: the tiled backend computes in log2 units .* got -3e\+38"):
+        tiled_attention(q, q, q, mask)
+    mask[1, 2] = float("-inf")
+    tiled_attention(q, q, q, mask)  # -inf and finfo.min are fine
+
+
+def test_finfo_min_rows_have_the_math_paths_gradients():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (9, 11, 11))
+    mask = torch.zeros(9, 11, dtype=torch.float64)
+    mask[2] = torch.finfo(torch.float64).min
+    mask[5, :4] = torch.finfo(torch.float64).min
+    grads = []
+    for backend in ("math", "tiled"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = scaled_dot_product_attention(*leaves, mask, backend=backend) if backend == "math" else \
+            tiled_attention(*leaves, mask, block_q=4, block_k=3)
+        (out * torch.linspace(-1, 1, 8, dtype=torch.float64)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a)
