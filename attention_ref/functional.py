@@ -452,9 +452,11 @@ def merge_attention(
     total = torch.exp(lse_a - shift) + torch.exp(lse_b - shift)  # (..., L)
     lse = torch.where(total > 0, shift + torch.log(torch.where(total > 0, total, torch.ones_like(total))),
                       torch.full_like(total, float("-inf")))
-    # An empty row has lse = -inf in both parts: subtract 0 there instead, so each factor is exp(-inf) = 0.
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    factor_a = torch.exp(lse_a - finite).unsqueeze(-1)  # (..., L) -> (..., L, 1)
-    factor_b = torch.exp(lse_b - finite).unsqueeze(-1)
+    # The factors e^(lse_a - lse) and e^(lse_b - lse), formed from the differences to the shift (exact
+    # where the lses are close) and the sum, not from the rounded lse: at |lse| = 1e7 float32 rounds
+    # lse by 0.5, which would scale the output by e^0.5. An empty row (total 0) gets factors 0.
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    factor_a = (torch.exp(lse_a - shift) / safe).unsqueeze(-1)  # (..., L) -> (..., L, 1)
+    factor_b = (torch.exp(lse_b - shift) / safe).unsqueeze(-1)
     out = factor_a * out_a.to(factor_a.dtype) + factor_b * out_b.to(factor_b.dtype)  # (..., L, Ev)
     return out.to(out_a.dtype), lse.to(lse_a.dtype)

@@ -111,9 +111,10 @@ class _AddSinks(torch.autograd.Function):
         empty = total == 0  # no key and no sink: lse' = -inf, both shares 0
         safe = torch.where(empty, torch.ones_like(total), total)
         new_lse = torch.where(empty, torch.full_like(total, float("-inf")), shift + torch.log(safe))
-        finite = torch.where(empty, torch.zeros_like(new_lse), new_lse)
-        keys_share = torch.exp(lse - finite)  # e^{lse - lse'}: the keys' share of the mass, 0 on an empty row
-        sink_share = torch.exp(s - finite)  # p: the sink's weight
+        # The shares e^{lse - lse'} and e^{s - lse'}, from the differences to the shift and the sum,
+        # not from the rounded lse' (float32 rounds an lse of 1e7 by 0.5); 0 on an empty row.
+        keys_share = torch.exp(lse - shift) / safe  # the keys' share of the mass
+        sink_share = torch.exp(s - shift) / safe  # p: the sink's weight
         new_out = out.to(keys_share.dtype) * keys_share.unsqueeze(-1)  # (..., L, Ev) * (..., L, 1)
         new_out = new_out.to(out.dtype)
         ctx.save_for_backward(new_out, keys_share, sink_share)

@@ -215,3 +215,31 @@ def test_merge_errors_name_the_argument():
         merge_attention(out, lse, torch.zeros(2, 3, 5), lse)
     with pytest.raises(TypeError, match="out_b must be a floating-point tensor, got torch.int64"):
         merge_attention(out, lse, torch.zeros(2, 3, 4, dtype=torch.long), lse)
+
+
+# Issue 39, S2: the factors were e^(lse_part - lse) with lse rounded in float32, which at |lse| = 1e7
+# is off by 0.5: the merge of two equal halves gave 1.47 instead of 2.
+@pytest.mark.parametrize("big", [0.0, 1e3, 1e6, 1e7, 3e8, 1e30, -1e30])
+def test_merge_and_add_sinks_stay_exact_for_large_lse_in_float32(big):
+    from attention_ref import add_sinks
+
+    g = torch.Generator().manual_seed(0)
+    out_a, out_b = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g)
+    lse_a = big + torch.randn(2, 3, 5, generator=g)
+    lse_b = lse_a + torch.randn(2, 3, 5, generator=g)  # close to lse_a, as parts of one row are
+    out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
+    # float64, from the same float32 inputs, with the shift taken out exactly
+    d = (lse_b.double() - lse_a.double())
+    w_a = 1 / (1 + d.exp())
+    expected = w_a[..., None] * out_a.double() + (1 - w_a[..., None]) * out_b.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    sinks = torch.tensor([0.5, -1.0, 2.0]) + big
+    got, got_lse = add_sinks(out_a, lse_a, sinks)
+    keys = 1 / (1 + (sinks.view(3, 1).double() - lse_a.double()).exp())
+    torch.testing.assert_close(got.double(), keys[..., None] * out_a.double(), rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(got_lse).all()
+
+
+def test_merge_of_two_equal_halves_at_lse_1e7():
+    out, lse = merge_attention(torch.ones(1, 4), torch.tensor([1e7]), torch.full((1, 4), 3.0), torch.tensor([1e7]))
+    torch.testing.assert_close(out, torch.full((1, 4), 2.0))
