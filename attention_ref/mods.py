@@ -72,10 +72,22 @@ _SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
 # --- argument checks ---------------------------------------------------------------------------
 
 
+# Positions are int64 tensors: offsets, window sides and sizes past this would wrap around when
+# added to a position (2**60, far beyond any sequence; three of them and a position stay < 2**63).
+POSITION_LIMIT = 2**60
+
+
+def _in_range(name: str, value: int, low: int) -> int:
+    if not low <= value <= POSITION_LIMIT:
+        raise ValueError(f"{name} must lie in [{low}, 2**60] (positions are int64: a larger value wraps "
+                         f"around), got {value}")
+    return value
+
+
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
+    return _in_range(name, value, -POSITION_LIMIT)
 
 
 def _check_window_side(name: str, value: object) -> int | None:
@@ -85,7 +97,7 @@ def _check_window_side(name: str, value: object) -> int | None:
         raise TypeError(f"{name} must be a non-negative int or None (unbounded), got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{name} must be a non-negative int or None (unbounded), got {value}")
-    return value
+    return _in_range(name, value, 0)
 
 
 def _require_int_tensor(name: str, value: object, layout: str, dims: Sequence[int]) -> torch.Tensor:
@@ -282,6 +294,7 @@ def sliding_window(left: int | None, right: int | None = 0, offset: int = 0, *, 
         raise ValueError(
             f"sink_tokens must be a non-negative int (the first keys kept outside the window), got {sink_tokens}"
         )
+    _in_range("sink_tokens", sink_tokens, 0)
 
     def sliding_window_mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -343,6 +356,7 @@ def chunked(size: int, offset: int = 0, *, start: torch.Tensor | None = None) ->
         raise TypeError(f"size must be a positive int, got {type(size).__name__}")
     if size <= 0:
         raise ValueError(f"size must be a positive int (the chunk length), got {size}")
+    _in_range("size", size, 1)
     offset = _check_int("offset", offset)
     if start is None:
 

@@ -736,3 +736,31 @@ def test_chained_indexing_in_a_mod_raises_and_says_to_use_one_subscript():
     keep = torch.rand(1, 2, 5, 5) > 0.5
     with pytest.raises(IndexError, match=r"mask_mod raised IndexError on the index grids"):
         scaled_dot_product_attention(q, k, v, mask_mod=lambda b, h, i, j: keep[b][h][i][j])
+
+
+# Issue 39, S4: positions are int64; causal(offset=2**63 - 1) wrapped around and masked rows 1 onward,
+# chunked(2**63) was wrong, sliding_window(2**70) raised torch's OverflowError.
+@pytest.mark.parametrize("make, name, value", [
+    (lambda v: mods.causal(offset=v), "offset", 2**63 - 1),
+    (lambda v: mods.causal(offset=v), "offset", -(2**61)),
+    (lambda v: mods.chunked(v), "size", 2**63),
+    (lambda v: mods.sliding_window(v), "left", 2**70),
+    (lambda v: mods.sliding_window(3, right=v), "right", 2**61),
+    (lambda v: mods.sliding_window(3, sink_tokens=v), "sink_tokens", 2**61),
+    (lambda v: mods.prefix_lm(3, offset=v), "offset", 2**62),
+])
+def test_values_past_int64_positions_are_refused_by_name(make, name, value):
+    with pytest.raises(ValueError, match=rf"{name} must lie in \[-?\d*[^\]]*2\*\*60\] \(positions are int64"):
+        make(value)
+
+
+def test_the_largest_allowed_values_still_compute():
+    limit = mods.POSITION_LIMIT
+    everything = mods.create_mask(mods.causal(offset=limit), None, None, 3, 4)
+    assert everything.all()
+    nothing = mods.create_mask(mods.causal(offset=-limit), None, None, 3, 4)
+    assert not nothing.any()
+    one_chunk = mods.create_mask(mods.chunked(limit), None, None, 3, 4)
+    assert one_chunk.all()
+    window = mods.create_mask(mods.sliding_window(limit, right=limit, sink_tokens=limit), None, None, 3, 4)
+    assert window.all()
