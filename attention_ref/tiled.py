@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -210,6 +211,9 @@ class _PieceCache:
         return bias
 
 
+_creating = threading.local()  # set while create_block_mask builds a BlockMask: its kinds need no check
+
+
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """Which blocks of the ``(L, S)`` scores a ``mask_mod`` empties, cuts or keeps whole.
@@ -245,6 +249,33 @@ class BlockMask:
     block_k: int
     kinds: torch.Tensor
     _pieces: _PieceCache = field(default_factory=_PieceCache, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Built by hand (or by dataclasses.replace): the kinds decide which blocks are skipped or
+        # computed without the mod, so kinds that disagree with the mod would silently give another
+        # mask. Check them (issue 39, S3); create_block_mask's own are right by construction.
+        if getattr(_creating, "active", False):
+            return
+        for name in ("B", "H", "L", "S"):
+            check_positive_int(name, getattr(self, name), allow_zero=True)
+        check_positive_int("block_q", self.block_q)
+        check_positive_int("block_k", self.block_k)
+        mods.check_mod("mask_mod", self.mask_mod, "mask")
+        made = create_block_mask(self.mask_mod, self.B, self.H, self.L, self.S, block_q=self.block_q,
+                                 block_k=self.block_k, device=getattr(self.kinds, "device", None))
+        if not isinstance(self.kinds, torch.Tensor) or tuple(self.kinds.shape) != tuple(made.kinds.shape):
+            got = tuple(self.kinds.shape) if isinstance(self.kinds, torch.Tensor) else type(self.kinds).__name__
+            raise ValueError(f"kinds must have shape (ceil(L / block_q), ceil(S / block_k)) = "
+                             f"{tuple(made.kinds.shape)}, got {got}")
+        wrong = (self.kinds.to(made.kinds.dtype) != made.kinds).nonzero()
+        if len(wrong):
+            i, j = wrong[0].tolist()
+            names = {_EMPTY: "empty", _PARTIAL: "partial", _FULL: "full"}
+            raise ValueError(
+                f"kinds do not match mask_mod: block ({i}, {j}) is given as {names.get(int(self.kinds[i, j]), int(self.kinds[i, j]))!r} "
+                f"but the mod makes it {names[int(made.kinds[i, j])]!r} ({len(wrong)} blocks differ); make "
+                f"block masks with create_block_mask"
+            )
 
     @property
     def fraction_skipped(self) -> float:
@@ -334,7 +365,11 @@ def create_block_mask(
         kinds = _band_kinds(*band, L, S, block_q, block_k)
     else:
         kinds = _evaluated_kinds(mask_mod, B, H, L, S, block_q, block_k, device)
-    return BlockMask(mask_mod, B, H, L, S, block_q, block_k, kinds)
+    _creating.active = True
+    try:
+        return BlockMask(mask_mod, B, H, L, S, block_q, block_k, kinds)
+    finally:
+        _creating.active = False
 
 
 def _band_of(mask_mod: mods.MaskMod) -> tuple[int | None, int | None] | None:

@@ -162,9 +162,9 @@ def test_varlen_and_kv_cache_take_a_block_mask():
         _assert_equal_results((attention_with_kv_cache(qc, kc, vc, seqlens, is_causal=True, block_mask=bm,
                                                        backend=backend),),
                               (attention_with_kv_cache(qc, kc, vc, seqlens, is_causal=True),))
-    broadcast = dataclasses.replace(bm, B=1)  # (create_block_mask itself refuses B=None for this mod)
-    with pytest.raises(ValueError, match=r"block_mask was made for B=1, this call has B=2"):
-        attention_with_kv_cache(qc, kc, vc, seqlens, is_causal=True, block_mask=broadcast)
+    # a block mask for B=1 of a mod made for two sequences cannot be built (its kinds are checked)
+    with pytest.raises(ValueError, match=r"lengths must have shape \(B,\) = \(1,\), got shape \(2,\)"):
+        dataclasses.replace(bm, B=1)
     with pytest.raises(ValueError, match=r"block_mask was made for cache_seqlens=\[5, 9\], this call has "
                                          r"cache_seqlens=\[6, 9\]"):
         attention_with_kv_cache(qc, kc, vc, torch.tensor([6, 9]), is_causal=True, block_mask=bm)
@@ -191,9 +191,8 @@ def test_a_block_mask_made_for_another_call_raises_with_both_values():
         sdpa(q, k, v, mask_mod=mods.causal(), block_mask=bm)  # an equal mod, but another function
     with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.tiled.BlockMask, got Tensor"):
         sdpa(q, k, v, block_mask=torch.ones(L, S, dtype=torch.bool))
-    tampered = tiled.BlockMask(bm.mask_mod, 1, 1, L, S, 4, 3, bm.kinds[:-1])
-    with pytest.raises(ValueError, match=r"block_mask.kinds must have shape .* = \(4, 6\), got \(3, 6\)"):
-        sdpa(q, k, v, block_mask=tampered, backend="tiled")
+    with pytest.raises(ValueError, match=r"kinds must have shape .* = \(4, 6\), got \(3, 6\)"):
+        tiled.BlockMask(bm.mask_mod, 1, 1, L, S, 4, 3, bm.kinds[:-1])
     with pytest.raises(ValueError, match=r"block_mask was made for block_k=3, this call has block_k=5"):
         tiled.tiled_attention(q, k, v, block_mask=bm, block_q=4, block_k=5)
     with pytest.raises(ValueError, match=r"block_mask was made for L=13, this call has L=12"):
@@ -248,3 +247,20 @@ def test_the_benchmark_runs_and_writes_its_json(bench, tmp_path):
     assert set(run["contention"]["times"]["one_core_busy"]) == {"tiled", "tiled_all_threads", "sdpa", "tiled_1_thread"}
     assert set(run["contention"]["fitting_threads_before_timing"]) == {"quiet", "one_core_busy"}
     assert "git_commit" in run["provenance"] and run["provenance"]["command"].startswith("python benchmarks/")
+
+
+# Issue 39, S3: the public constructor trusted any kinds: all "full" for mods.causal() gave a
+# non-causal result with no error.
+def test_a_block_mask_built_by_hand_must_match_its_mod():
+    from attention_ref import tiled
+
+    made = create_block_mask(mods.causal(), None, None, 8, 8, block_q=2, block_k=2)
+    same = tiled.BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, made.kinds.clone())  # right kinds: accepted
+    assert torch.equal(same.kinds, made.kinds)
+    with pytest.raises(ValueError, match=r"kinds do not match mask_mod: block \(0, 0\) is given as 'full' but "
+                                         r"the mod makes it 'partial' \(10 blocks differ\)"):
+        tiled.BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, torch.full_like(made.kinds, 2))
+    with pytest.raises(ValueError, match=r"kinds do not match mask_mod: block \(0, 0\) is given as 7"):
+        tiled.BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, torch.full_like(made.kinds, 7))
+    with pytest.raises(ValueError, match=r"kinds do not match mask_mod"):
+        dataclasses.replace(made, kinds=torch.full_like(made.kinds, 2))
