@@ -230,6 +230,21 @@ def _decay(gamma: torch.Tensor) -> torch.Tensor:
     return diff.masked_fill_(above, float("-inf")).exp_()  # in place on its own diff (autograd allows it)
 
 
+def _segment_decay(g: torch.Tensor) -> torch.Tensor:
+    """``exp(g_{j+1} + ... + g_i)`` for ``j <= i``, 0 above: ``(..., C, 1 or E)`` -> ``(..., C, C, 1 or E)``.
+
+    What `_decay` gives from the cumulative sums, but summed segment by segment: a gate of
+    ``-inf`` (a full reset) makes ``Gamma_i - Gamma_j`` ``-inf - (-inf) = NaN`` for two tokens
+    after it, while the segment sum of the gates between them is finite (issue 39).
+    """
+    C = g.shape[-2]
+    below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)[:, :, None]  # (C, C, 1): j < i
+    x = g[..., :, None, :].expand(*g.shape[:-2], C, C, g.shape[-1])  # (..., C, C, F): x[i, j] = g_i
+    x = x.masked_fill(~below, 0.0).cumsum(dim=-3)  # x[i, j] = sum of g_k for j < k <= i
+    diagonal_or_below = below | torch.eye(C, dtype=torch.bool, device=g.device)[:, :, None]
+    return x.masked_fill_(~diagonal_or_below, float("-inf")).exp_()
+
+
 def _tracks_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records operations on any of ``tensors``."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -327,7 +342,9 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
     gamma = g.cumsum(dim=-2)  # (..., C, 1 or E): log decay from the chunk's entry to token i
     decay_in = gamma.exp()  # (..., C, 1 or E)
     beta = beta[..., None]  # (..., C, 1)
-    decay = _decay(gamma)  # (..., C, C, 1 or E)
+    # (..., C, C, 1 or E): from the differences of gamma when no gate is -inf (cheaper), else segment
+    # by segment (-inf - -inf would be NaN)
+    decay = _decay(gamma) if bool(torch.isfinite(gamma[..., -1:, :]).all()) else _segment_decay(g)
     scores = _decayed_scores(q, k, decay, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
     # the UT system: A = I + strictly_lower(diag(beta) K K^T * D); the inverse reads only that part
     kk = _scaled(_decayed_scores(k, k, decay, memory.get("kk", (*lead, C, C), q)), beta, own)  # (..., C, C)
@@ -343,7 +360,10 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
         A_w, k_w = A_beta, k * decay_in  # (..., C, E)
     W = torch.matmul(A_w, k_w, out=memory.get("W", (*lead, C, E), q))  # (..., C, C) x (..., C, E) -> (..., C, E)
     gamma_last = gamma[..., -1:, :]  # (..., 1, 1 or E): the whole chunk's log decay
-    k_out = _scaled(k, (gamma_last - gamma).exp_(), own)  # (..., C, E): each write's decay to the chunk's end
+    # each write's log decay to the chunk's end, g_{i+1} + ... + g_C: summed from the end, not as
+    # gamma_last - gamma (NaN after a gate of -inf)
+    to_end = torch.cat([g[..., 1:, :].flip(-2).cumsum(dim=-2).flip(-2), torch.zeros_like(g[..., :1, :])], dim=-2)
+    k_out = _scaled(k, to_end.exp_(), own)  # (..., C, E): each write's decay to the chunk's end
     return U, W, _scaled(q, decay_in, own), scores, k_out, gamma_last.exp()
 
 

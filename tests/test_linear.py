@@ -497,3 +497,31 @@ def test_oracle_tiny_qwen3_next_with_attention_ref_linear_layers(monkeypatch):
     assert calls == ["chunked"] * 3 + ["recurrent"] * 3  # prefill chunked, the decoding step recurrent
     for got, want in zip(mine, theirs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32 model
+
+
+# Issue 39: a gate of -inf (a full reset, a legitimate value) or -1e38 made the chunked form NaN
+# (gamma_i - gamma_j = -inf - -inf); the recurrence was right.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_chunked_form_takes_gates_of_minus_infinity(dtype, per_channel):
+    g0 = torch.Generator().manual_seed(5)
+    B, L, H, E = 2, 23, 2, 8
+    q, k, v = (torch.randn(B, L, H, E, generator=g0, dtype=dtype) for _ in range(3))
+    gate_shape = (B, L, H, E) if per_channel else (B, L, H)
+    g = -torch.rand(gate_shape, generator=g0, dtype=dtype)
+    g[0, 5] = float("-inf")  # a full reset inside the first chunk
+    g[1, 13] = -1e38  # huge: the cumulative sum overflows in float32
+    g[1, 20] = float("-inf")
+    beta = torch.rand(B, L, H, generator=g0, dtype=dtype)
+    fn = linear.kimi_delta_attention if per_channel else linear.gated_delta_rule
+    results = []
+    for mode in ("recurrent", "chunked"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, beta)]
+        out, state = fn(leaves[0], leaves[1], leaves[2], g, leaves[3], mode=mode, chunk_size=8,
+                        output_final_state=True)
+        (out.sum() + state.sum()).backward()
+        results.append([out, state] + [t.grad for t in leaves])
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    for a, b in zip(*results):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, **tol)
