@@ -25,7 +25,11 @@ from attention_ref._validation import (
 
 def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        kind = type(value)
+        # numpy.bool_ is named "bool" too: name its module, so the message is not "must be a bool, got bool"
+        shown = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        hint = f" (pass bool({name}))" if kind.__name__ in ("bool", "bool_") else ""
+        raise TypeError(f"{name} must be a bool, got {shown}{hint}")
 
 
 def check_merge(out_a: object, lse_a: object, out_b: object, lse_b: object) -> None:
@@ -169,5 +173,11 @@ def prepare(
     query, key, value, batch = check_qk(query, key, value, enable_gqa)  # type: ignore[arg-type]
     L, S = query.shape[-2], key.shape[-2]
     mask = check_mask(attn_mask, query, (*batch, L, S))
-    resolved = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)  # type: ignore[arg-type]
+    E = query.shape[-1]
+    # E = 0: every score is an empty sum, 0 whatever the scale; 1.0 instead of 1 / sqrt(0) (torch's answer)
+    resolved = (1.0 / math.sqrt(E) if E else 1.0) if scale is None else float(scale)  # type: ignore[arg-type]
+    compute = torch.promote_types(query.dtype, torch.float32)
+    if abs(resolved) > torch.finfo(compute).max:
+        raise ValueError(f"scale: {resolved:g} is infinite in {compute}, the dtype the scores are computed in "
+                         f"(at most {torch.finfo(compute).max:.4g})")
     return query, key, value, mask, resolved

@@ -657,6 +657,11 @@ class PagedKVCache:
         Raises:
             ValueError: the id is already in use.
         """
+        try:
+            hash(sequence_id)
+        except TypeError:
+            raise TypeError(f"sequence_id must be hashable (an int, a str, a tuple), got "
+                            f"{type(sequence_id).__name__} {sequence_id!r}") from None
         if sequence_id in self._blocks:
             raise ValueError(f"sequence_id {sequence_id!r} is already allocated (free it first)")
         self._blocks[sequence_id] = []

@@ -318,3 +318,33 @@ def test_complexity_rejects_negative_sizes():
         complexity.parameter_count(30, num_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match=_msg("kdim", "positive int", "got 0")):
         complexity.parameter_count(30, kdim=0)
+
+
+# Issue 39: opaque or false errors on valid or nearly valid input.
+def test_head_size_zero_computes_as_torch_does():
+    q, k, v = torch.randn(2, 3, 0), torch.randn(2, 4, 0), torch.randn(2, 4, 5)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    for backend in ("math", "tiled", "sdpa"):
+        torch.testing.assert_close(scaled_dot_product_attention(q, k, v, backend=backend), expected)
+
+
+def test_numpy_bool_is_named_as_such():
+    import numpy as np
+
+    q = torch.randn(1, 3, 4)
+    with pytest.raises(TypeError, match=r"is_causal must be a bool, got numpy\.bool_? \(pass bool\(is_causal\)\)"):
+        scaled_dot_product_attention(q, q, q, is_causal=np.bool_(True))
+
+
+def test_a_scale_that_overflows_the_compute_dtype_is_refused():
+    q = torch.randn(1, 3, 4)
+    with pytest.raises(ValueError, match=r"scale: 1e\+40 is infinite in torch.float32"):
+        scaled_dot_product_attention(q, q, q, scale=1e40)
+    scaled_dot_product_attention(q.double(), q.double(), q.double(), scale=1e40)  # finite in float64
+
+
+def test_paged_cache_names_an_unhashable_sequence_id():
+    from attention_ref.kv_cache import PagedKVCache
+
+    with pytest.raises(TypeError, match=r"sequence_id must be hashable \(an int, a str, a tuple\), got list \['a'\]"):
+        PagedKVCache(4, 2, 1, 8).allocate(["a"])
