@@ -68,6 +68,8 @@ def _masked_scores(
     mask added, boolean conditions (``attn_mask``, ``is_causal``, ``mask_mod``).
     """
     compute = _compute_dtype(query.dtype)
+    shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), query.shape[-2], key.shape[-2])
+    _inputs.check_dense("attention", shape, compute, query.device)  # before the (..., L, S) tensors exist
     # (..., L, E) @ (..., E, S) -> (..., L, S), in at least float32 so large scores cannot overflow.
     scores = torch.matmul(query.to(compute), key.to(compute).transpose(-2, -1)) * scale
     L, S = scores.shape[-2], scores.shape[-1]

@@ -348,3 +348,27 @@ def test_paged_cache_names_an_unhashable_sequence_id():
 
     with pytest.raises(TypeError, match=r"sequence_id must be hashable \(an int, a str, a tuple\), got list \['a'\]"):
         PagedKVCache(4, 2, 1, 8).allocate(["a"])
+
+
+# Issue 39: nothing refused a dense (L, S) allocation before making it (60000 tokens: 29 GB, the
+# process killed). The limit is half the machine's memory, or ATTENTION_REF_MAX_DENSE_BYTES.
+def test_dense_scores_past_the_limit_are_refused_before_allocating(monkeypatch):
+    from attention_ref import attention_weights
+    from attention_ref.tiled import tiled_attention
+
+    monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", str(2**20))  # 1 MiB
+    q = torch.randn(2, 2, 300, 8)  # 2 * 2 * 300 * 300 float32 scores, 3 copies: 4.1 MiB
+    message = (r"attention: the \(\.\.\., L, S\) = \(2, 2, 300, 300\) scores in torch.float32 would take "
+               r"4\.1 MiB \(3 copies at the peak\), above the limit of 1\.0 MiB .* backend='tiled'")
+    with pytest.raises(ValueError, match=message):
+        scaled_dot_product_attention(q, q, q)
+    with pytest.raises(ValueError, match=message):
+        attention_weights(q, q)
+    with pytest.raises(ValueError, match=r"scores in torch.float32 would take"):
+        MultiHeadAttention(16, 2)(torch.randn(2, 300, 16))
+    assert tiled_attention(q, q, q).shape == (2, 2, 300, 8)  # forms no (L, S)
+    monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", str(2**30))
+    assert scaled_dot_product_attention(q, q, q).shape == (2, 2, 300, 8)
+    monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", "lots")
+    with pytest.raises(ValueError, match=r"ATTENTION_REF_MAX_DENSE_BYTES must be a number of bytes, got 'lots'"):
+        scaled_dot_product_attention(q, q, q)
