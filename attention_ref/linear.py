@@ -468,6 +468,8 @@ def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scal
     B, L, H, E = q.shape
     Hv, Ev = v.shape[2], v.shape[3]
     out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)
+    if B == 0:  # an empty batch: nothing to run (the spans below would divide by B)
+        return _empty_batch(q, v, output_final_state)
     group = Hv // H
     scale = E**-0.5 if scale is None else scale
     memory = _Scratch(scratch and not _tracks_grad(q, k, v, g, beta, initial_state))
@@ -512,11 +514,21 @@ def _run(form, q, k, v, g, beta, initial_state, output_final_state, bounds, scal
     return out, (torch.cat(finals, dim=0) if output_final_state else None)
 
 
+def _empty_batch(q, v, output_final_state):
+    """The output ``(0, L, Hv, Ev)`` and final state ``(0, Hv, E, Ev)`` (or None) of an empty batch."""
+    _, L, _, E = q.shape
+    Hv, Ev = v.shape[2], v.shape[3]
+    state = q.new_zeros(0, Hv, E, Ev, dtype=_compute_dtype(v.dtype)) if output_final_state else None
+    return v.new_zeros(0, L, Hv, Ev), state
+
+
 def _run_delta(mode, chunk_size, *args):
     """`_run` with the delta rule's form for ``mode``: the token loop, or the chunks of ``chunk_size``,
     a span of `_span_tokens` at a time."""
     q, v, g = args[0], args[2], args[3]  # (B, L, H, E), (B, L, Hv, Ev), (B, L, Hv, 1 or E)
     B, Hv = v.shape[0], v.shape[2]
+    if B == 0:  # an empty batch: no spans to size
+        return _empty_batch(q, v, args[6])  # args[6]: output_final_state
     if mode == "recurrent":
         return _run(_delta_rule_recurrent, *args, block=_span_tokens(B, Hv, max(q.shape[-1], v.shape[-1])))
     C = chunk_size

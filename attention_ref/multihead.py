@@ -109,6 +109,8 @@ class MultiHeadAttention(nn.Module):
         kdim = embed_dim if kdim is None else check_positive_int("kdim", kdim)
         vdim = embed_dim if vdim is None else check_positive_int("vdim", vdim)
         check_probability("dropout", dropout)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype (the parameters are trained), got {dtype}")
         self.backend = check_backend(backend)
         check_bool("sinks", sinks)
         if sinks and backend not in ("math", "tiled", "auto"):

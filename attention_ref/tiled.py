@@ -795,7 +795,7 @@ def _scores_block(
         terms.append((s, offset))
     if is_causal and j1 - 1 > i0:  # the block reaches above the diagonal: hide keys j > i
         above = torch.full((bq, bk), _NEG_INF, dtype=s.dtype, device=s.device).triu_(i0 - j0 + 1)  # -inf where j > i
-        terms.append((s.view(NK, -1, bq, bk), above))  # (bq, bk) broadcasts over the heads
+        terms.append((s.view(NK, GB // bq, bq, bk), above))  # (bq, bk) broadcasts over the heads
     if mask is not None:
         m_blk = _mask_block(mask, i0, i1, j0, j1)
         # A float mask is added to the scores (times log2 e, like them); a boolean one adds 0 or -inf.

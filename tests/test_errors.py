@@ -372,3 +372,23 @@ def test_dense_scores_past_the_limit_are_refused_before_allocating(monkeypatch):
     monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", "lots")
     with pytest.raises(ValueError, match=r"ATTENTION_REF_MAX_DENSE_BYTES must be a number of bytes, got 'lots'"):
         scaled_dot_product_attention(q, q, q)
+
+
+# Issue 39: an empty batch is valid input.
+def test_empty_batches_compute():
+    from attention_ref import linear
+    from attention_ref.tiled import tiled_attention
+
+    q0 = torch.randn(0, 2, 5, 8)
+    assert tiled_attention(q0, q0, q0, is_causal=True).shape == (0, 2, 5, 8)
+    x0, g0, b0 = torch.randn(0, 5, 2, 8), -torch.rand(0, 5, 2), torch.rand(0, 5, 2)
+    for mode in ("recurrent", "chunked"):
+        out, state = linear.gated_delta_rule(x0, x0, x0, g0, b0, mode=mode, output_final_state=True)
+        assert out.shape == (0, 5, 2, 8) and state.shape == (0, 2, 8, 8)
+    out, state = linear.linear_attention(x0, x0, x0, output_final_state=True)
+    assert out.shape == (0, 5, 2, 8) and state.shape == (0, 2, 8, 8)
+
+
+def test_multihead_refuses_an_integer_dtype_by_name():
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype .*, got torch.int64"):
+        MultiHeadAttention(8, 2, dtype=torch.int64)
