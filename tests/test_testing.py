@@ -733,7 +733,7 @@ def test_sinks_the_baseline_is_plain_sink_attention_and_dsinks_is_judged():
     wrong = grads[3].clone()
     wrong[1] *= 1.05  # float16's own error on dsinks, a sum over every query, is ~1.5%
     with pytest.raises(AssertionError, match=r"1 of 6 quantities out of bounds[\s\S]*\n  dsinks:\n[\s\S]*"
-                                             r"worst position \(1,\)[\s\S]*judged as one row"):
+                                             r"worst position \(1,\)[\s\S]*1 of 3 heads out of bounds"):
         assert_attention_close(out.detach(), q, k, v, is_causal=True, sinks=sinks, grad_output=grad_output,
                                actual_grads=(*grads[:3], wrong), actual_lse=lse.detach())
     ignored = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # a kernel that drops the sinks
@@ -971,3 +971,59 @@ def test_the_report_says_what_was_judged():
         (0, 3, 0), (0, 3, 1))  # (b, i, h) in the caller's layout
     report = assert_attention_close(out, q, k, v, attn_mask=mask, bound="global")
     assert str(report) == "passed (output; bound='global')"
+
+
+# Issue 32: dsinks (one value per head, a sum over every row) was judged against a single sample of the
+# baseline's rounding: a right float16 kernel written as x-transformers writes it failed on dsinks in
+# 6 of 100 seeds. Now each head has an a priori floor. Three right formulations over 200 seeds: dsinks
+# never fails; a sink 5% off in the forward, and a dsinks 5% off, are caught on every seed.
+def _sink_kernels():
+    def x_transformers(q, k, v, sinks):  # float16 scores, float32 softmax over [sink | scores], float16 P @ V
+        s = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
+        col = sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1).to(s.dtype)
+        return torch.cat([col, s], dim=-1).float().softmax(-1)[..., 1:].to(q.dtype) @ v
+
+    def upcast(q, k, v, sinks):  # everything in float32, cast back
+        s = (q.float() * q.shape[-1] ** -0.5) @ k.float().transpose(-1, -2)
+        col = sinks.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        return (torch.cat([col, s], dim=-1).softmax(-1)[..., 1:] @ v.float()).to(q.dtype)
+
+    def tiled(q, k, v, sinks):
+        return scaled_dot_product_attention(q, k, v, sinks=sinks, backend="tiled")
+
+    class _Off(torch.autograd.Function):  # a planted bug: the gradient of the sinks 5% too large
+        @staticmethod
+        def forward(ctx, s):
+            return s.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.05
+
+    right = {"x-transformers": x_transformers, "upcast": upcast, "tiled": tiled}
+    wrong = {"sink 5% off": lambda q, k, v, s: upcast(q, k, v, s * 1.05),
+             "dsinks 5% off": lambda q, k, v, s: upcast(q, k, v, _Off.apply(s))}
+    return right, wrong
+
+
+def test_dsinks_never_fails_a_right_float16_kernel_and_still_catches_wrong_ones():
+    right, wrong = _sink_kernels()
+    failed = {name: [] for name in (*right, *wrong)}
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, 4, n, 16, generator=g).half() for n in (13, 19, 19))
+        sinks = torch.randn(4, generator=g).half()
+        grad_output = torch.randn(2, 4, 13, 16, generator=g).half()
+        for name, kernel in (*right.items(), *wrong.items()):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            out = kernel(*leaves)
+            grads = torch.autograd.grad(out, leaves, grad_output)
+            try:
+                assert_attention_close(out.detach(), q, k, v, grad_output=grad_output, actual_grads=grads,
+                                       sinks=sinks)
+            except AssertionError as error:
+                failed[name].append((seed, "\n  dsinks:\n" in str(error)))
+    for name in right:  # (dq and dk have their own open cases: issue 32's global cap)
+        assert not [seed for seed, on_dsinks in failed[name] if on_dsinks], (name, failed[name])
+    for name in wrong:
+        assert len(failed[name]) == 200, (name, 200 - len(failed[name]))
