@@ -109,8 +109,9 @@ def _position(flat: int, shape: tuple[int, ...]) -> str:
 def _check_indices(indices: object, S: int) -> torch.Tensor:
     """``indices`` is an integer tensor ``(..., L, k)`` of keys in ``[0, S)`` or -1, no key twice in a row."""
     indices = require_tensor("indices", indices)
-    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
-        raise TypeError(f"indices must be an integer tensor (key positions, -1 = no key), got {indices.dtype}")
+    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex() or not indices.is_signed():
+        # unsigned: -1 (no key) cannot be written, and torch compares uint8 with -1 as 255
+        raise TypeError(f"indices must be a signed integer tensor (key positions, -1 = no key), got {indices.dtype}")
     if indices.dim() < 2:
         raise ValueError(
             f"indices must have at least 2 dims (..., L, k), got {indices.dim()} dims with shape "
@@ -672,8 +673,9 @@ def assert_topk_close(
     """
     indices = require_tensor("indices", indices)
     scores = require_tensor("scores", scores)
-    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
-        raise TypeError(f"indices must be an integer tensor (key positions, -1 = no key), got {indices.dtype}")
+    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex() or not indices.is_signed():
+        # unsigned: -1 (no key) cannot be written, and torch compares uint8 with -1 as 255
+        raise TypeError(f"indices must be a signed integer tensor (key positions, -1 = no key), got {indices.dtype}")
     if not scores.is_floating_point():
         raise TypeError(f"scores must be a floating-point tensor, got {scores.dtype}")
     if indices.dim() < 2 or scores.dim() != indices.dim() or indices.shape[:-1] != scores.shape[:-1]:

@@ -392,3 +392,16 @@ def test_empty_batches_compute():
 def test_multihead_refuses_an_integer_dtype_by_name():
     with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype .*, got torch.int64"):
         MultiHeadAttention(8, 2, dtype=torch.int64)
+
+
+def test_unsigned_topk_indices_are_named_and_one_conformance_id_is_one_id():
+    from attention_ref import conformance, sparse
+
+    q = torch.randn(1, 4, 8)
+    with pytest.raises(TypeError, match=r"indices must be a signed integer tensor .* got torch.uint8"):
+        sparse.topk_attention(q, q, q, torch.zeros(1, 4, 2, dtype=torch.uint8))
+    adapter = "attention_ref.conformance.shipped:torch_sdpa_math"
+    one = conformance.run(adapter, select="causal-float32-fwd-small")  # one id, not its characters
+    assert [r.id for r in one.results] == ["causal-float32-fwd-small"]
+    with pytest.raises(ValueError, match=r"no quick case has the ids \['nope'\]"):
+        conformance.run(adapter, select="nope")

@@ -201,6 +201,8 @@ def run(
     """
     adapter = load_adapter(adapter)
     cases = matrix(size)
+    if isinstance(select, str):  # one id: a str is iterable too, and its characters are no ids
+        select = [select]
     if select is not None and not callable(select):
         wanted = list(select)
         known_ids = {case.id for case in cases}
