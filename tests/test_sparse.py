@@ -146,9 +146,9 @@ def test_out_of_range_raises_with_value_place_and_range(bad):
 
 def test_wrong_type_and_shape_raise():
     q, k, v = _qkv()
-    with pytest.raises(TypeError, match=r"indices must be an integer tensor .* got torch.float32"):
+    with pytest.raises(TypeError, match=r"indices must be a signed integer tensor .* got torch.float32"):
         topk_attention(q, k, v, torch.zeros(B, 1, L, K))
-    with pytest.raises(TypeError, match=r"indices must be an integer tensor .* got torch.bool"):
+    with pytest.raises(TypeError, match=r"indices must be a signed integer tensor .* got torch.bool"):
         topk_attention(q, k, v, torch.ones(B, 1, L, K, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"with L = 5 \(the query's length\), got shape \(2, 1, 4, 3\)"):
         topk_attention(q, k, v, _indices(shape=(B, 1, 4)))
@@ -510,7 +510,7 @@ def test_checker_errors_have_messages():
     with pytest.raises(ValueError, match=r"min\(k, S\) = min\(4, 7\) = 4 slots per row, got shape \(5, 3\)"):
         assert_topk_close(right, scores, 4)
     assert_topk_close(scores.topk(S, dim=-1).indices, scores, 9)  # k > S: all S keys
-    with pytest.raises(TypeError, match=r"indices must be an integer tensor .* got torch.float32"):
+    with pytest.raises(TypeError, match=r"indices must be a signed integer tensor .* got torch.float32"):
         assert_topk_close(right.float(), scores)
     with pytest.raises(TypeError, match=r"scores must be a floating-point tensor, got torch.int64"):
         assert_topk_close(right, scores.long())
