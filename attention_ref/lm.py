@@ -737,8 +737,10 @@ def widget_html(src: str, *, prompt: str = "", temperature: float = 0.8, top_k: 
     Args:
         src: the URL of the manifest written by ``docs/hooks/char_lm.py`` (relative to the page).
         prompt: the text the box opens with.
-        temperature, top_k: the sampling settings it opens with.
-        layer, head: the head whose attention it opens on.
+        temperature: the sampling temperature it opens with, in ``[0, 2]``.
+        top_k: how many of the likeliest characters it samples among at first.
+        layer: the layer of the head whose attention it opens on.
+        head: that head.
 
     Without the site's JavaScript (a notebook) it shows a line saying where to run it.
     """

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -554,7 +555,7 @@ def train(model: RecallModel, config: RecallTraining, *, first: int | None = Non
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], **kwargs) -> float:
+def accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], **kwargs: Any) -> float:
     """The share of query positions where the model's most likely id is the right value.
 
     Args:
@@ -657,7 +658,8 @@ def load_recall(mixer: str, source: str | bytes | None = None) -> tuple[RecallMo
 
     Example:
         >>> model, record = load_recall("softmax")
-        >>> model.config["mixer"], record["training"]["length"]
+        >>> training = record["training"]
+        >>> model.config["mixer"], training["length"]
         ('softmax', 64)
     """
     _check_mixer(mixer)
@@ -701,7 +703,8 @@ def training_record(model: RecallModel, config: RecallTraining, log: dict, pair_
     Example:
         >>> model, config = RecallModel("softmax", vocab=32, d=8), RecallTraining(length=16, vocab=32, max_pairs=4)
         >>> record = training_record(model, config, {"loss": [3.5], "seconds": 0.1}, [2, 4])
-        >>> sorted(record["accuracy"]), record["training"]["length"]
+        >>> training = record["training"]
+        >>> sorted(record["accuracy"]), training["length"]
         (['2', '4'], 16)
     """
     return {"model": dict(model.config), "training": dataclasses.asdict(config), "loss": log["loss"],
