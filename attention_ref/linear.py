@@ -230,6 +230,11 @@ def _decay(gamma: torch.Tensor) -> torch.Tensor:
     return diff.masked_fill_(above, float("-inf")).exp_()  # in place on its own diff (autograd allows it)
 
 
+_DIFFERENCE_FLOOR = -1e3
+"""The least log decay of a chunk for which `_chunk_systems` takes ``exp(Gamma_i - Gamma_j)`` from the
+differences: their rounding is at most ``u * 1e3`` (float32: 6e-5) there."""
+
+
 def _segment_decay(g: torch.Tensor) -> torch.Tensor:
     """``exp(g_{j+1} + ... + g_i)`` for ``j <= i``, 0 above: ``(..., C, 1 or E)`` -> ``(..., C, C, 1 or E)``.
 
@@ -342,9 +347,11 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
     gamma = g.cumsum(dim=-2)  # (..., C, 1 or E): log decay from the chunk's entry to token i
     decay_in = gamma.exp()  # (..., C, 1 or E)
     beta = beta[..., None]  # (..., C, 1)
-    # (..., C, C, 1 or E): from the differences of gamma when no gate is -inf (cheaper), else segment
-    # by segment (-inf - -inf would be NaN)
-    decay = _decay(gamma) if bool(torch.isfinite(gamma[..., -1:, :]).all()) else _segment_decay(g)
+    # (..., C, C, 1 or E): from the differences of gamma while the chunk's log decay is moderate (it is
+    # monotone, so its last row is its least); else segment by segment: past -1e3 the difference of two
+    # large gammas loses the small gates between them (-1e38 + g - (-1e38) = 0), and -inf - -inf is NaN
+    moderate = bool((gamma[..., -1:, :] >= _DIFFERENCE_FLOOR).all())
+    decay = _decay(gamma) if moderate else _segment_decay(g)
     scores = _decayed_scores(q, k, decay, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
     # the UT system: A = I + strictly_lower(diag(beta) K K^T * D); the inverse reads only that part
     kk = _scaled(_decayed_scores(k, k, decay, memory.get("kk", (*lead, C, C), q)), beta, own)  # (..., C, C)
