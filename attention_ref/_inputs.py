@@ -228,3 +228,30 @@ def check_dense(what: str, shape: tuple[int, ...], dtype: torch.dtype, device: t
             f"({copies} copies at the peak), above the limit of {_size(limit)} (half this device's "
             f"memory, or ${DENSE_LIMIT_ENV}); backend='tiled' computes attention without forming (L, S)"
         )
+
+
+def check_scores_finite(scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Refuse scores ``q . k * scale`` that overflowed the compute dtype from finite inputs (they would
+    make NaN weights). Inputs holding inf or NaN are left to propagate them, as torch does."""
+    if scores.device.type == "meta" or bool(torch.isfinite(scores).all()):
+        return
+    if bool(torch.isfinite(query).all()) and bool(torch.isfinite(key).all()):
+        raise ValueError(
+            f"query, key: the scores q . k * scale overflow {scores.dtype} (finite inputs, infinite scores: "
+            f"largest |query| {float(query.detach().abs().max()):.3g}, |key| {float(key.detach().abs().max()):.3g}); "
+            f"scale them "
+            f"down, or pass float64 inputs"
+        )
+
+
+def check_scores_bounded(query: torch.Tensor, key: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
+    """For a path that never holds the scores: refuse inputs whose scores could overflow ``dtype``, by the
+    bound ``|scale| * E * max|q| * max|k|`` on every ``|q . k * scale|``."""
+    if query.device.type == "meta" or not query.numel() or not key.numel():
+        return
+    bound = abs(scale) * query.shape[-1] * float(query.detach().abs().max()) * float(key.detach().abs().max())
+    if bound > torch.finfo(dtype).max and bool(torch.isfinite(query).all()) and bool(torch.isfinite(key).all()):
+        raise ValueError(
+            f"query, key: scores q . k * scale could overflow {dtype} (|scale| * E * max|q| * max|k| = "
+            f"{bound:.3g} > {torch.finfo(dtype).max:.3g}); scale them down, or pass float64 inputs"
+        )

@@ -72,6 +72,7 @@ def _masked_scores(
     _inputs.check_dense("attention", shape, compute, query.device)  # before the (..., L, S) tensors exist
     # (..., L, E) @ (..., E, S) -> (..., L, S), in at least float32 so large scores cannot overflow.
     scores = torch.matmul(query.to(compute), key.to(compute).transpose(-2, -1)) * scale
+    _inputs.check_scores_finite(scores, query, key)  # finite inputs must not give inf scores (NaN weights)
     L, S = scores.shape[-2], scores.shape[-1]
     if score_mod is not None:
         scores = _mods.apply_score_mod(score_mod, scores)  # (..., L, S) -> (..., L, S)

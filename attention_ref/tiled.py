@@ -708,6 +708,7 @@ def _tiled(
     N = math.prod(prefix)
     compute = torch.promote_types(query.dtype, torch.float32)
     _check_float_mask(mask, compute)
+    _inputs.check_scores_bounded(query, key, scale, compute)  # its blocks' scores are never held: bound them
     # Differentiable layout changes (autograd sums broadcast dims back for us). The scale and
     # log2(e) are folded into the queries once: (q * scale * log2 e) @ k^T = log2(e) * scores.
     q = (query.to(compute) * (scale * _LOG2E)).expand(*batch, L, E)

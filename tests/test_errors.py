@@ -405,3 +405,19 @@ def test_unsigned_topk_indices_are_named_and_one_conformance_id_is_one_id():
     assert [r.id for r in one.results] == ["causal-float32-fwd-small"]
     with pytest.raises(ValueError, match=r"no quick case has the ids \['nope'\]"):
         conformance.run(adapter, select="nope")
+
+
+# Issue 39: q = k = 1e20 (finite) overflowed float32 scores and gave NaN on math and tiled.
+def test_scores_that_overflow_from_finite_inputs_are_refused():
+    from attention_ref.tiled import tiled_attention
+
+    q = torch.full((1, 3, 4), 1e20)
+    with pytest.raises(ValueError, match=r"query, key: the scores q \. k \* scale overflow torch.float32"):
+        scaled_dot_product_attention(q, q, q)
+    with pytest.raises(ValueError, match=r"query, key: scores q \. k \* scale could overflow torch.float32"):
+        tiled_attention(q, q, q)
+    out = scaled_dot_product_attention(q.double(), q.double(), q.double())  # float64 holds 4e40
+    assert torch.isfinite(out).all()
+    inf = q.clone()
+    inf[0, 0, 0] = float("inf")  # inf in the input propagates, as torch's does
+    assert torch.isnan(scaled_dot_product_attention(inf, inf, inf)).any()
