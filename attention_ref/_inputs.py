@@ -10,11 +10,11 @@ Shapes use the package legend (``B``, ``H``, ``Hkv``, ``L``, ``S``, ``E``, ``Ev`
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from attention_ref import mods
+from attention_ref._validation import check_dense  # noqa: F401 - the paths call _inputs.check_dense
 from attention_ref._validation import (
     check_scale,
     fmt_shape,
@@ -182,52 +182,6 @@ def prepare(
         raise ValueError(f"scale: {resolved:g} is infinite in {compute}, the dtype the scores are computed in "
                          f"(at most {torch.finfo(compute).max:.4g})")
     return query, key, value, mask, resolved
-
-
-# --- dense (L, S) allocations: estimated before they are made -------------------------------------
-
-#: Environment variable: the most bytes a dense ``(..., L, S)`` computation may take (an int).
-DENSE_LIMIT_ENV = "ATTENTION_REF_MAX_DENSE_BYTES"
-#: Copies of the ``(..., L, S)`` scores the math path holds at its peak (scores, masked, weights).
-DENSE_COPIES = 3
-
-
-def dense_limit(device: torch.device) -> int:
-    """The most bytes a dense ``(..., L, S)`` computation may take on ``device``: the value of
-    ``ATTENTION_REF_MAX_DENSE_BYTES`` if set, else half the device's memory (the machine's
-    physical memory for the CPU)."""
-    given = os.environ.get(DENSE_LIMIT_ENV)
-    if given:
-        try:
-            return int(float(given))
-        except ValueError:
-            raise ValueError(f"{DENSE_LIMIT_ENV} must be a number of bytes, got {given!r}") from None
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).total_memory // 2
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): no limit known
-        return 2**62
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def check_dense(what: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                copies: int = DENSE_COPIES) -> None:
-    """Refuse, before allocating, a dense ``shape`` (ending in ``(L, S)``) of ``copies`` tensors
-    larger than `dense_limit`, naming the sizes and the path that needs none."""
-    if device.type == "meta":
-        return
-    need = math.prod(shape) * torch.finfo(dtype).bits // 8 * copies
-    limit = dense_limit(device)
-    if need > limit:
-        raise ValueError(
-            f"{what}: the (..., L, S) = {tuple(shape)} scores in {dtype} would take {_size(need)} "
-            f"({copies} copies at the peak), above the limit of {_size(limit)} (half this device's "
-            f"memory, or ${DENSE_LIMIT_ENV}); backend='tiled' computes attention without forming (L, S)"
-        )
 
 
 def check_scores_finite(scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:

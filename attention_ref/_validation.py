@@ -7,6 +7,7 @@ so a user sees what to change without reading a traceback from inside torch.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -75,3 +76,53 @@ def check_positive_int(name: str, value: object, *, allow_zero: bool = False) ->
         kind = "non-negative" if allow_zero else "positive"
         raise ValueError(f"{name} must be a {kind} int, got {value}")
     return value
+
+
+# --- dense (L, S) allocations: estimated before they are made -------------------------------------
+
+#: Environment variable: the most bytes a dense ``(..., L, S)`` computation may take (an int).
+DENSE_LIMIT_ENV = "ATTENTION_REF_MAX_DENSE_BYTES"
+#: Copies of the ``(..., L, S)`` scores the math path holds at its peak (scores, masked, weights).
+DENSE_COPIES = 3
+
+
+def dense_limit(device: torch.device) -> int:
+    """The most bytes a dense ``(..., L, S)`` computation may take on ``device``: the value of
+    ``ATTENTION_REF_MAX_DENSE_BYTES`` if set, else half the device's memory (the machine's
+    physical memory for the CPU)."""
+    given = os.environ.get(DENSE_LIMIT_ENV)
+    if given:
+        try:
+            return int(float(given))
+        except ValueError:
+            raise ValueError(f"{DENSE_LIMIT_ENV} must be a number of bytes, got {given!r}") from None
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory // 2
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): no limit known
+        return 2**62
+
+
+def _size(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+def check_dense(what: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                copies: int = DENSE_COPIES, *, noun: str = "the (..., L, S) scores",
+                instead: str = "backend='tiled' computes attention without forming (L, S)") -> None:
+    """Refuse, before allocating, a dense ``shape`` (ending in ``(L, S)``) of ``copies`` tensors
+    larger than `dense_limit`, naming the sizes and the path that needs none."""
+    if device.type == "meta":
+        return
+    need = math.prod(shape) * torch.empty((), dtype=dtype).element_size() * copies
+    limit = dense_limit(device)
+    if need > limit:
+        copies_text = f" ({copies} copies at the peak)" if copies > 1 else ""
+        raise ValueError(
+            f"{what}: {noun} {tuple(shape)} in {dtype} would take {_size(need)}"
+            f"{copies_text}, above the limit of {_size(limit)} (half this device's memory, or "
+            f"${DENSE_LIMIT_ENV}); {instead}"
+        )

@@ -47,7 +47,7 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from attention_ref import mods
-from attention_ref._validation import check_positive_int, fmt_shape, require_tensor
+from attention_ref._validation import check_dense, check_positive_int, fmt_shape, require_tensor
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
 from attention_ref.tiled import BlockMask, _made_by
@@ -471,6 +471,9 @@ class KVCache:
         check_positive_int("head_dim", head_dim)
         value_dim = head_dim if value_dim is None else check_positive_int("value_dim", value_dim)
         dtype = _check_dtype(dtype)
+        check_dense("KVCache", (batch, num_kv_heads, max_length, head_dim + value_dim), dtype,
+                    torch.device(device or "cpu"), copies=1, noun="the keys and values (B, Hkv, S_max, E + Ev)",
+                    instead="a smaller max_length, or PagedKVCache, which takes blocks as sequences grow")
         self.key_cache = torch.zeros(batch, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.value_cache = torch.zeros(batch, num_kv_heads, max_length, value_dim, dtype=dtype, device=device)
         self._length = 0

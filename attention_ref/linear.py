@@ -94,6 +94,7 @@ import torch
 
 from attention_ref._inputs import check_bool
 from attention_ref._validation import (
+    check_dense,
     check_positive_int,
     check_scale,
     fmt_shape,
@@ -418,6 +419,9 @@ def _gated_linear_quadratic(q, k, v, g, state, out):
     q, k: ``(B, Hv, L, E)``; v: ``(B, Hv, L, Ev)``; g: ``(B, Hv, L)``; state ``(B, Hv, E, Ev)``;
     out: ``(B, Hv, L, Ev)``. Returns the state after the last token.
     """
+    B, Hv, L = q.shape[:3]
+    check_dense("the quadratic form", (B, Hv, L, L), q.dtype, q.device, noun="the (B, Hv, L, L) decay and scores",
+                instead="mode='recurrent' keeps a fixed state")
     decay = _segment_sum(g).exp()  # (B, Hv, L, L), lower-triangular, 1 on the diagonal
     scores = (q @ k.transpose(-1, -2)) * decay  # (B, Hv, L, E) x (B, Hv, E, L) -> (B, Hv, L, L)
     gamma = g.cumsum(dim=-1)[..., None]  # (B, Hv, L, 1): log decay from the start to token i

@@ -358,13 +358,13 @@ def test_dense_scores_past_the_limit_are_refused_before_allocating(monkeypatch):
 
     monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", str(2**20))  # 1 MiB
     q = torch.randn(2, 2, 300, 8)  # 2 * 2 * 300 * 300 float32 scores, 3 copies: 4.1 MiB
-    message = (r"attention: the \(\.\.\., L, S\) = \(2, 2, 300, 300\) scores in torch.float32 would take "
+    message = (r"attention: the \(\.\.\., L, S\) scores \(2, 2, 300, 300\) in torch.float32 would take "
                r"4\.1 MiB \(3 copies at the peak\), above the limit of 1\.0 MiB .* backend='tiled'")
     with pytest.raises(ValueError, match=message):
         scaled_dot_product_attention(q, q, q)
     with pytest.raises(ValueError, match=message):
         attention_weights(q, q)
-    with pytest.raises(ValueError, match=r"scores in torch.float32 would take"):
+    with pytest.raises(ValueError, match=r"scores \(2, 2, 300, 300\) in torch.float32 would take"):
         MultiHeadAttention(16, 2)(torch.randn(2, 300, 16))
     assert tiled_attention(q, q, q).shape == (2, 2, 300, 8)  # forms no (L, S)
     monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", str(2**30))
@@ -421,3 +421,21 @@ def test_scores_that_overflow_from_finite_inputs_are_refused():
     inf = q.clone()
     inf[0, 0, 0] = float("inf")  # inf in the input propagates, as torch's does
     assert torch.isnan(scaled_dot_product_attention(inf, inf, inf)).any()
+
+
+
+def test_masks_caches_and_quadratic_forms_are_estimated_before_allocating(monkeypatch):
+    from attention_ref import linear, mods
+    from attention_ref.kv_cache import KVCache
+
+    monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", str(2**16))  # 64 KiB
+    with pytest.raises(ValueError, match=r"create_mask: the \(B, H, L, S\) mask \(2, 2, 200, 200\) in torch.bool "
+                                         r"would take 160,000 bytes, above the limit of 65,536 bytes"):
+        mods.create_mask(mods.causal(), 2, 2, 200, 200)
+    with pytest.raises(ValueError, match=r"KVCache: the keys and values .* PagedKVCache"):
+        KVCache(batch=4, num_kv_heads=2, max_length=1000, head_dim=8)
+    x = torch.randn(1, 200, 2, 8)
+    g = -torch.rand(1, 200, 2)
+    with pytest.raises(ValueError, match=r"the quadratic form: .* mode='recurrent' keeps a fixed state"):
+        linear.gated_linear_attention(x, x, x, g, mode="quadratic")
+    assert linear.gated_linear_attention(x, x, x, g)[0].shape == (1, 200, 2, 8)  # the recurrence: no L x L
