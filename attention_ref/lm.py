@@ -59,6 +59,7 @@ __all__ = [
     "previous_token_score",
     "split_corpus",
     "train",
+    "warmup_cosine",
 ]
 
 CORPUS_FILE = "shakespeare.txt.gz"
@@ -467,6 +468,15 @@ def generate(model: CharLM, prompt: torch.Tensor, steps: int, *, temperature: fl
     return ids[0] if squeeze else ids
 
 
+def warmup_cosine(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float:
+    """The learning rate of step ``step`` (0-based): linear warm-up to ``lr`` over ``warmup`` steps,
+    then cosine decay from ``lr`` towards ``min_lr``, reached at step ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """How `train` trains: AdamW, linear warm-up then cosine decay to ``min_lr``, clipped gradients.
@@ -494,10 +504,7 @@ class TrainConfig:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimiser step ``step`` (0-based)."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+        return warmup_cosine(step, self.lr, self.min_lr, self.warmup, self.steps)
 
 
 @dataclass
@@ -544,6 +551,14 @@ def train(model: CharLM, train_ids: torch.Tensor, config: TrainConfig, *,
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if make_batch is None:
+        if not isinstance(train_ids, torch.Tensor) or train_ids.dtype != torch.long or train_ids.dim() != 1:
+            got = (f"{train_ids.dtype} of shape {tuple(train_ids.shape)}" if isinstance(train_ids, torch.Tensor)
+                   else type(train_ids).__name__)
+            raise TypeError(f"train_ids must be a 1-d int64 tensor (or pass make_batch=), got {got}")
+        if len(train_ids) < model.config.context + 2:
+            raise ValueError(f"train_ids: need more than context + 1 = {model.config.context + 1} ids, "
+                             f"got {len(train_ids)}")
     torch.manual_seed(config.seed)
     model.apply(model._init)
     for module in model.modules():
@@ -594,7 +609,7 @@ def evaluate(model: CharLM, ids: torch.Tensor, *, max_windows: int | None = None
     c = model.config.context
     n = (len(ids) - 1) // c
     if max_windows is not None:
-        n = min(n, max_windows)
+        n = min(n, check_positive_int("max_windows", max_windows))
     if n < 1:
         raise ValueError(f"ids: need more than context = {c} ids to evaluate, got {len(ids)}")
     inputs = ids[: n * c].view(n, c)  # (n, context)
@@ -703,7 +718,7 @@ def save_char_lm(path: str, model: CharLM, tokenizer: CharTokenizer, record: dic
                 "record": record}, path)
 
 
-def round_to_half(model: CharLM) -> None:
+def round_to_half(model: nn.Module) -> None:
     """Round every weight to float16 and back, in place: the model as it will ship."""
     with torch.no_grad():
         for p in model.parameters():

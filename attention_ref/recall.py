@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import io
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from torch.nn import functional as F
 from attention_ref._validation import check_positive_int, fmt_shape
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.linear import gated_delta_rule, linear_attention
+from attention_ref.lm import round_to_half, warmup_cosine  # noqa: F401 - round_to_half: scripts/train_recall.py
 from attention_ref.mods import sliding_window
 from attention_ref.positional import rope
 
@@ -470,11 +470,8 @@ class RecallTraining:
                              f"got {self.min_pairs} and {self.max_pairs}")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of optimiser step ``step`` (0-based)."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+        """The learning rate of optimiser step ``step`` (0-based): `attention_ref.lm.warmup_cosine`."""
+        return warmup_cosine(step, self.lr, self.min_lr, self.warmup, self.steps)
 
 
 def training_batch(generator: torch.Generator, config: RecallTraining
@@ -675,20 +672,6 @@ def load_recall(mixer: str, source: str | bytes | None = None) -> tuple[RecallMo
     model.eval()
     return model, saved["record"]
 
-
-def round_to_half(model: nn.Module) -> None:
-    """Round every weight to float16 and back, in place: the model as it will ship.
-
-    Example:
-        >>> model = RecallModel("delta", vocab=16, d=8)
-        >>> round_to_half(model)
-        >>> w = model.head.weight
-        >>> w.dtype, torch.equal(w, w.half().float())
-        (torch.float32, True)
-    """
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.half().float())
 
 
 def training_record(model: RecallModel, config: RecallTraining, log: dict, pair_counts: Iterable[int]) -> dict:

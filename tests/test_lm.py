@@ -375,3 +375,17 @@ def test_widget_html_escapes_and_checks():
         lm.widget_html("x", temperature=3)
     with pytest.raises(ValueError, match="top_k must be an int >= 1, got 0"):
         lm.widget_html("x", top_k=0)
+
+
+def test_train_and_evaluate_name_bad_arguments():
+    model = small().float()
+    config = lm.TrainConfig(steps=1)
+    with pytest.raises(TypeError, match=r"train_ids must be a 1-d int64 tensor \(or pass make_batch=\), got NoneType"):
+        lm.train(model, None, config)
+    with pytest.raises(ValueError, match=r"train_ids: need more than context \+ 1 = 14 ids, got 5"):
+        lm.train(model, torch.zeros(5, dtype=torch.long), config)
+    with pytest.raises(ValueError, match="max_windows"):
+        lm.evaluate(model, torch.zeros(40, dtype=torch.long), max_windows=0)
+    assert lm.warmup_cosine(0, 1.0, 0.1, 10, 100) == pytest.approx(0.1)
+    assert lm.warmup_cosine(100, 1.0, 0.1, 10, 100) == pytest.approx(0.1)
+    assert lm.warmup_cosine(55, 1.0, 0.1, 10, 100) == pytest.approx(0.55)
