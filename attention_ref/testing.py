@@ -31,11 +31,13 @@ is the largest of a few rounding errors, a noisy estimate (a baseline that round
 luckily on one row would demand the impossible there); the floor ``F_r`` is the
 typical error in absolute terms and at the row's scale, which a minority of bad
 rows cannot move, capped at the largest healthy ``e_r``. ``U_r`` is the rounding
-any summation order may make on the row, ``sqrt(n) * u * sum|terms|`` with the
-terms' sizes from the exact weights (``u`` float32's unit roundoff, where kernels
-accumulate): a row whose exact value cancels to near 0, such as ``dq`` of a query
-that sees one key, can be off by that much in a right kernel however luckily the
-baseline's own order rounded it. ``U_r`` is an a priori bound, so the cap does not
+any right kernel may make on the row: its sums in any order,
+``sqrt(n) * u * sum|terms|`` with the terms' sizes from the exact weights (``u``
+float32's unit roundoff, where kernels accumulate), plus its result and the
+factors it stores before a product (``P``, ``dS``) rounded to the inputs' dtype.
+A row whose exact value cancels to near 0, such as ``dq`` of a query that sees
+one key, or whose baseline rounded luckily, can be off by that much in a right
+kernel however the baseline's own order rounded it. ``U_r`` is an a priori bound, so the cap does not
 apply to it: a float32 baseline whose order happens to be more exact than a tiled
 kernel's on every row would otherwise fail the kernel (it did, on two machines).
 A row whose baseline is
@@ -166,9 +168,10 @@ def assert_attention_close(
     ``T`` and ``R`` the 90th percentiles of the healthy rows' ``e_r`` and
     ``e_r / m_r`` (a floor against a baseline that rounds luckily on one row,
     which a minority of bad rows cannot move, capped at the largest healthy
-    ``e_r``), ``U_r`` the rounding any summation order may make on the row
-    (``sqrt(n) * u * sum|terms|``, ``u`` float32's unit roundoff, float64's for
-    float64; the module docstring says how). A row whose baseline is degenerate (not finite, its scores
+    ``e_r``), ``U_r`` the rounding any right kernel may make on the row (its sums
+    in any order, ``sqrt(n) * u * sum|terms|``, ``u`` float32's unit roundoff,
+    float64's for float64; its result and stored ``P`` and ``dS`` rounded to the
+    inputs' dtype; the module docstring says how). A row whose baseline is degenerate (not finite, its scores
     overflowed the dtype, or ``e_r >= 0.25 * m_r`` and ``e_r`` above the rows'
     90th percentile) has no estimate of its own and is held to
     ``factor * F_r + atol``; with no healthy row the quantity cannot be judged
@@ -365,6 +368,7 @@ def assert_attention_close(
     verdicts, lines = _judge_all("assert_attention_close", quantities, factor, atol, bound)
     if lines:
         if verdicts[0].failed:
+            lines += _empty_row_lines(query, key, value, actual, kwargs64, verdicts[0], swap)
             lines += _probe_lines(query, key, value, actual, kwargs, verdicts[0])
         lines.append("  config: " + _describe_config(query, key, value, attention_kwargs, factor, atol,
                                                      bound, layout, swap, lse_base if with_lse else None))
@@ -821,16 +825,32 @@ def _rounding(
     """Per row, the rounding a right kernel may make in any summation order, in float64 from the exact weights.
 
     The baseline's error estimates a kernel's on most rows, but not on a row whose
-    exact value cancels to near 0 (``dq`` of a query that sees one key): there the
-    baseline's order may be exact by luck. A sum of ``n`` terms rounds by about
-    ``sqrt(n) * u * sum|terms|`` (``u`` the unit roundoff of float32, where
-    kernels accumulate; float64's for float64), so each row gets that, with the
-    terms' magnitudes from the exact weights ``P``, conditioned by the scores'
-    own rounding (see the body), ``dP = dO @ V^T`` and ``D = rowsum(P * dP)``:
-    output ``P' @ |V|``, ``dq`` ``scale * A @ |K|``, ``dk`` ``scale * A^T @ |Q|``,
-    ``dv`` ``P'^T @ |dO|``, ``A = P' * (|dO| @ |V|^T + |D|)``, each row's
-    largest entry, ``n`` the keys (query rows) or the queries of the head group
-    (key rows).
+    exact value cancels to near 0 (``dq`` of a query that sees one key), nor on a
+    row where the baseline's one sample of rounding happens to fall small: there
+    a right kernel may be off by more, however luckily the baseline rounded. Two
+    kinds of rounding, each from first-order error propagation:
+
+    * accumulation: a sum of ``n`` terms ``t_j`` rounds by about
+      ``sqrt(n) * u_acc * sum_j |t_j|`` (``u_acc`` the unit roundoff of float32,
+      where kernels accumulate; float64's for float64), with the terms'
+      magnitudes from the exact weights ``P`` conditioned by the scores' own
+      rounding (see the body): output ``P' |V|``, ``dq`` ``scale * A |K|``,
+      ``dk`` ``scale * A^T |Q|``, ``dv`` ``P'^T |dO|``,
+      ``A = P' * (|dO| |V|^T + |D|)``, ``dP = dO @ V^T``, ``D = rowsum(P * dP)``;
+      ``n`` the keys (query rows) or the queries of the head group (key rows);
+    * storage in the inputs' dtype (unit roundoff ``u_in``): a kernel rounds its
+      result, and the factors it stores before a product, as FlashAttention
+      does in float16 and bfloat16 (``P`` before ``P @ V`` and ``P^T @ dO``,
+      ``dS`` before ``dS @ K`` and ``dS^T @ Q``, ``dP`` in a formulation that
+      stores it): ``u_in * (|x| + sqrt(sum_j (f_j y_j)^2))``, ``f_j`` the
+      stored factor's error in units of ``u_in``, ``y_j`` the other factor,
+      independent roundings adding in quadrature.
+
+    Each row gets its largest column. Measured (issue 32) on 500 seeds, float16
+    and bfloat16, three right kernels (torch's CPU flash kernel, float16 scores
+    with a float32 softmax, float32 throughout): without the storage term 8 of
+    1,500 runs failed, with it none (nor any of 200 seeds with sinks), while a
+    kernel 3x as far off as the baseline is still caught on every seed.
     """
     q, k, v = (t.detach().to(torch.float64) for t in (query, key, value))
     weights_kwargs = {n: kwargs64[n] for n in _ATTENTION_KWARGS if n in kwargs64}
@@ -850,16 +870,30 @@ def _rounding(
     spread = a + (P * a).sum(-1, keepdim=True) - 2 * P * a  # (..., H, L, S), >= 0
     conditioned = P * (1 + spread)  # (..., H, L, S)
     unit = _accumulation_roundoff(query.dtype)
+    unit_in = torch.finfo(query.dtype).eps / 2
     group = P.shape[-3] // k.shape[-3] if gqa else 1  # query heads per key/value head
     per_query = unit * math.sqrt(max(P.shape[-1], 1))  # sums over the S keys
     per_key_row = unit * math.sqrt(max(P.shape[-2] * group, 1))  # sums over the L queries of each head in the group
-    result = {"output": per_query * (conditioned @ v_all.abs()).amax(-1)}  # (.., H, L, S) x (.., H, S, Ev) -> (.., H, L)
+
+    def bound(accumulation: float, exact: torch.Tensor, terms: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        """Per column (..., R, C): sum|t|, the exact value and sum of the stored terms' squares -> (..., R)."""
+        return (accumulation * terms + unit_in * (exact.abs() + stored.sqrt())).amax(-1)
+
+    exact_out = P @ v_all  # (..., H, L, S) x (..., H, S, Ev) -> (..., H, L, Ev)
+    result = {"output": bound(per_query, exact_out, conditioned @ v_all.abs(), P.square() @ v_all.square())}
     if grad_output is None:
         return result
     d_out = grad_output.detach().to(torch.float64)  # (..., H, L, Ev)
-    d_weights = d_out @ v_all.transpose(-2, -1)  # (..., H, L, Ev) x (..., H, Ev, S) -> (..., H, L, S)
+    d_weights = d_out @ v_all.transpose(-2, -1)  # (..., H, L, Ev) x (..., H, Ev, S) -> (..., H, L, S): dP
+    d_rows = (P * d_weights).sum(-1, keepdim=True)  # (..., H, L, 1): D = rowsum(P * dP)
+    d_scores = P * (d_weights - d_rows)  # (..., H, L, S): dS
     d_weights_terms = d_out.abs() @ v_all.abs().transpose(-2, -1)  # (..., H, L, S)
-    terms = conditioned * (d_weights_terms + (P * d_weights).sum(-1, keepdim=True).abs())  # (..., H, L, S)
+    terms = conditioned * (d_weights_terms + d_rows.abs())  # (..., H, L, S)
+    # dS as stored: its own rounding u |dS_ij|, and dP's rounding u |dP_ij| through dS = P * (dP - D), which
+    # gives P_ij (e_ij - sum_k P_ik e_ik), at most u P_ij (|dP_ij| + sum_k P_ik |dP_ik| - 2 P_ij |dP_ij|): 0 for a
+    # query that sees one key, where every formulation's dS is 0
+    dp = d_weights.abs()
+    stored = d_scores.abs() + P * (dp + (P * dp).sum(-1, keepdim=True) - 2 * P * dp)  # (..., H, L, S), >= 0
 
     def per_key(x: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
         """(..., H, S, C) summed to ``like``'s (..., Hkv, S, C): over each head group and broadcast dims."""
@@ -867,12 +901,20 @@ def _rounding(
         with torch.enable_grad():
             copies = expand_kv_heads(q, leaf, name) if gqa else leaf.expand(x.shape)
             (summed,) = torch.autograd.grad(copies, leaf, x.sum_to_size(copies.shape))
-        return summed.amax(-1)
+        return summed
 
     scale = abs(scale)
-    result["dq"] = per_query * (scale * (terms @ k_all.abs())).amax(-1)  # (.., H, L, S) x (.., H, S, E) -> (.., H, L)
-    result["dk"] = per_key_row * per_key(scale * (terms.transpose(-2, -1) @ q.abs()), k, "key")  # (..., Hkv, S)
-    result["dv"] = per_key_row * per_key(conditioned.transpose(-2, -1) @ d_out.abs(), v, "value")  # (..., Hkv, S)
+    # (.., H, L, S) x (.., H, S, E) -> (.., H, L, E) -> (.., H, L)
+    result["dq"] = bound(per_query, scale * (d_scores @ k_all), scale * (terms @ k_all.abs()),
+                         scale ** 2 * (stored.square() @ k_all.square()))
+    # (.., H, S, L) x (.., H, L, E) -> (.., H, S, E), summed over each head group -> (.., Hkv, S, E) -> (.., Hkv, S)
+    result["dk"] = bound(per_key_row, per_key(scale * (d_scores.transpose(-2, -1) @ q), k, "key"),
+                         per_key(scale * (terms.transpose(-2, -1) @ q.abs()), k, "key"),
+                         per_key(scale ** 2 * (stored.square().transpose(-2, -1) @ q.square()), k, "key"))
+    # (.., H, S, L) x (.., H, L, Ev) -> (.., H, S, Ev), summed over each head group -> (.., Hkv, S)
+    result["dv"] = bound(per_key_row, per_key(P.transpose(-2, -1) @ d_out, v, "value"),
+                         per_key(conditioned.transpose(-2, -1) @ d_out.abs(), v, "value"),
+                         per_key(P.square().transpose(-2, -1) @ d_out.square(), v, "value"))
     if isinstance(weights_kwargs.get("sinks"), torch.Tensor):
         # dsinks_h = -sum_i p_i D_i over every row i of head h: p_i the sink's weight, D_i = rowsum(dO_i * O_i).
         # One value per head, judged against a single sample of the baseline's rounding, which a right kernel
@@ -882,15 +924,12 @@ def _rounding(
         # adding in quadrature over the rows, and the stored result's own rounding u |dsinks_h|. Measured
         # on 200 seeds of that kernel: its error at most 0.65 of this floor; a dsinks 5% off is still caught.
         p_sink = (1 - P.sum(-1)).clamp_min(0)  # (..., H, L)
-        exact_out = P @ v_all  # (..., H, L, S) x (..., H, S, Ev) -> (..., H, L, Ev)
-        d_rows = (d_out * exact_out).sum(-1)  # (..., H, L): D_i
+        d_rows = d_rows.squeeze(-1)  # (..., H, L): D_i = rowsum(dO_i * O_i)
         terms_sink = p_sink * (d_rows.abs() + (d_out.abs() * exact_out.abs()).sum(-1))  # (..., H, L)
         H = terms_sink.shape[-2]
         per_head = terms_sink.movedim(-2, 0).reshape(H, -1)  # (..., H, L) -> (H, rows)
         dsinks = (p_sink * d_rows).movedim(-2, 0).reshape(H, -1).sum(-1).abs()  # (H,), |dsinks_h|
-        unit_in = torch.finfo(query.dtype).eps / 2
-        floor = unit_in * (per_head.square().sum(-1).sqrt() + dsinks)  # (H,)
-        result["dsinks"] = floor  # (H,): dsinks is judged head by head
+        result["dsinks"] = unit_in * (per_head.square().sum(-1).sqrt() + dsinks)  # (H,): judged head by head
     return result
 
 
@@ -952,8 +991,8 @@ class _Quantity:
     rounding: torch.Tensor | None = None  # float64, the rows' shape: what any summation order may round away
     baseline: str = "no upcasting"  # how the low-precision baseline computes, for the messages
     # the rounding's words in the messages
-    rounding_why: str = ("the rounding any summation order may make on this row, sqrt(n) * u * sum|terms| "
-                         "from the exact weights")
+    rounding_why: str = ("the rounding a right kernel may make on this row: its sums in any order and its result "
+                         "and stored P, dS in the inputs' dtype, from the exact weights")
 
 
 @dataclass
@@ -1167,6 +1206,38 @@ def _report(bound: str, verdicts: list[_Verdict], not_judged: torch.Tensor | Non
 
 
 # ---- probes: which planted bug would the output match? -----------------------------------
+
+
+def _empty_row_lines(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, actual: torch.Tensor,
+                     kwargs64: dict[str, Any], verdict: _Verdict, swap: bool) -> list[str]:
+    """A line when every failing output row is a row no key takes part in (and no sink): conventions differ there."""
+    q, k, v = (t.detach().to(torch.float64) for t in (query, key, value))
+    weights_kwargs = {n: kwargs64[n] for n in _ATTENTION_KWARGS if n in kwargs64 and n != "sinks"}
+    P = attention_weights(q, k, **weights_kwargs)  # (..., H, L, S)
+    empty = P.sum(-1) == 0  # (..., H, L)
+    sinks = kwargs64.get("sinks")
+    if sinks is not None:  # a finite sink takes the whole row: output 0 in every convention
+        no_sink = ~torch.isfinite(sinks.detach())
+        empty = empty & (no_sink.reshape(-1, 1) if empty.dim() >= 2 else no_sink)
+    error = _per_row(_abs_diff(actual, verdict.quantity.reference), "query")
+    failing = ~(error <= verdict.allowance) & verdict.judged
+    empty = empty.expand(failing.shape)
+    if not bool(empty.any()) or bool((failing & ~empty).any()):
+        return []
+    v_all = expand_kv_heads(q, v, "value") if kwargs64.get("enable_gqa") else v  # (..., H, S, Ev)
+    mean = v_all.mean(-2, keepdim=True).expand(actual.shape) if v.shape[-2] else None  # (..., H, L, Ev)
+    got = actual.detach().to(torch.float64)
+    if not bool(torch.isfinite(got[failing]).all()):
+        gives = "NaN or inf there"
+    elif mean is not None and bool(torch.allclose(got[failing], mean[failing], rtol=1e-2, atol=1e-2)):
+        gives = "the mean of the values there (the softmax of equal scores, as a -1e9 or finfo.min mask gives)"
+    else:
+        gives = "something else there"
+    every = "all " if bool((failing == empty).all()) else ""
+    return [f"  the failing rows are {every}query rows no key takes part in ({_count(int(empty.sum()), 'such row')}: "
+            f"{_fmt_rows(_row_indices(empty, swap))}): the reference gives 0 there, as FlashAttention and "
+            f"torch's SDPA do; this kernel gives {gives}. Check the mask or causal alignment that empties them, "
+            "or mask them out of the comparison"]
 
 
 def _probe_lines(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, actual: torch.Tensor,

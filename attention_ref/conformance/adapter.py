@@ -113,7 +113,11 @@ class Adapter:
         name: a short name for reports (``"torch-sdpa-math"``).
         call: ``call(problem) -> output``: the attention output in
             ``output_layout``; in the bwd cases it must be differentiable with
-            respect to ``problem.query``, ``problem.key`` and ``problem.value``.
+            respect to ``problem.query``, ``problem.key``, ``problem.value`` and,
+            in the sinks cases, ``problem.sinks`` (all four are judged): use those
+            tensors themselves, not copies (a module that owns its sinks
+            parameter gets ``problem.sinks`` in its place, e.g. through
+            ``torch.func.functional_call``).
         supports: the features the kernel supports (keys of
             `attention_ref.conformance.FEATURES`); a case needing another is skipped.
         layout: ``"bhld"`` (heads before positions, torch's) or ``"blhd"``

@@ -83,6 +83,7 @@ def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
         )
     kwargs = dict(inputs.reference_kwargs)
     sinks = problem.sinks if case.backward and problem.sinks is not None else None
+    unused: list[str] = []
     if case.backward:
         generator = torch.Generator().manual_seed(case.seed + 1)
         grad_output = torch.randn(expected_shape, generator=generator).to(case.dtype).to(actual.device)
@@ -90,6 +91,8 @@ def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
         if output.grad_fn is None:
             raise AssertionError(f"{adapter.name}'s output has no gradient (grad_fn is None) in a bwd case")
         grads = torch.autograd.grad(output, leaves, to_layout(grad_output, adapter.output_layout), allow_unused=True)
+        # an input the output does not reach in autograd gets 0, right only where the true gradient is 0
+        unused = [name for name, g in zip(("query", "key", "value", "sinks"), grads) if g is None]
         grads = tuple(torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True))
         canonical = tuple(to_layout(g, adapter.layout) for g in grads[:3]) + grads[3:]  # dsinks is (H,)
         kwargs.update(grad_output=grad_output, actual_grads=canonical)
@@ -101,7 +104,16 @@ def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
             kwargs["grad_output"] = to_layout(kwargs["grad_output"], adapter.layout)
             kwargs["actual_grads"] = grads  # as the kernel gave them
         kwargs["layout"] = adapter.layout
-    testing.assert_attention_close(*tensors, **kwargs)
+    try:
+        testing.assert_attention_close(*tensors, **kwargs)
+    except AssertionError as error:
+        if unused:
+            names = " and ".join(f"problem.{name}" for name in unused)
+            error.args = (f"{adapter.name}: the gradient for {names} never arrives: autograd finds no path from the "
+                          f"output to {'them' if len(unused) > 1 else 'it'} (did the call use a copy, or a "
+                          "module's own parameter, instead of the problem's tensor?); judged as 0 below\n"
+                          f"{error.args[0] if error.args else ''}", *error.args[1:])
+        raise
 
 
 def _result(case: Case, status: str, detail: str, seconds: float) -> CaseResult:

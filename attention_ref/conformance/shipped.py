@@ -113,22 +113,10 @@ def torch_sdpa_math() -> Adapter:
                    description=f"F.scaled_dot_product_attention, sdpa_kernel(MATH), torch {torch.__version__}")
 
 
-#: torch's CPU flash kernel (the default of F.scaled_dot_product_attention on a CPU, so transformers' sdpa and
-#: nn.MultiheadAttention reach it too): on this case its bfloat16 dK is more than twice as far from the
-#: reference as the naive bfloat16 formula on one key row. The per-row rule fails it, FlashAttention's
-#: global rule passes it (issue 19 saw this kernel's low-precision causal backward fail the global rule too).
-_CPU_FLASH_BACKWARD = KnownFailure(
-    "torch's CPU flash kernel: bfloat16 dK more than 2x the naive formula's error on one key row "
-    "(the per-row rule; FlashAttention's global rule passes it)",
-    "torch", "2.13.0", frozenset({"float_mask-bfloat16-bwd-small"}))
-
-
 def torch_sdpa_flash() -> Adapter:
     """``torch.nn.functional.scaled_dot_product_attention``, flash kernel (CPU: torch's C++ flash kernel)."""
-    cpu = not torch.cuda.is_available()
     return Adapter("torch-sdpa-flash", _torch_sdpa_call("FLASH_ATTENTION"), supports=_SDPA_FEATURES - {"value_dim"},
                    notes={"value_dim": "the flash kernel needs Ev == E ('No available kernel')"},
-                   known_failures=(_CPU_FLASH_BACKWARD,) if cpu else (),
                    description="F.scaled_dot_product_attention, sdpa_kernel(FLASH_ATTENTION), "
                                f"torch {torch.__version__}")
 
@@ -257,9 +245,7 @@ def torch_multihead() -> Adapter:
              "gqa": "one number of heads for queries, keys and values",
              "mqa": "one number of heads for queries, keys and values",
              "value_dim": "vdim is projected to the model width: the value size per head is E"}
-    cpu = not torch.cuda.is_available()
     return Adapter("torch-multihead", _multihead_call, layout="blhd", notes=notes,
-                   known_failures=(_CPU_FLASH_BACKWARD,) if cpu else (),  # its slow path calls torch's SDPA
                    supports={"backward", "key_padding", "bool_mask", "float_mask", "empty_rows", "causal"},
                    description=f"nn.MultiheadAttention, identity projections, torch {torch.__version__}")
 
@@ -311,10 +297,8 @@ def _hf_sdpa_call(p: Problem) -> torch.Tensor:
 def hf_sdpa() -> Adapter:
     """transformers' ``sdpa_attention_forward``: masks as transformers builds them (bool, materialised)."""
     version = _transformers_version()
-    cpu = not torch.cuda.is_available()
     return Adapter("hf-sdpa", _hf_sdpa_call, output_layout="blhd",
                    supports=_SDPA_FEATURES | _MASK_MOD_FEATURES | {"alibi"},
-                   known_failures=(_CPU_FLASH_BACKWARD,) if cpu else (),
                    notes={"softcap": "raises: 'sdpa attention does not support softcap'"},
                    description=f"transformers {version} sdpa_attention_forward")
 
