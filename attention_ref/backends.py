@@ -204,7 +204,7 @@ def select_backend(
     if block_mask is not None:
         _check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     if sinks is not None:
-        sinks = check_sinks(sinks, heads_of(batch), query)
+        sinks = check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))
     call = Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
                 return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse,
                 sinks=sinks, block_mask=block_mask)
@@ -229,7 +229,8 @@ class Call:
     score_mod: mods.ScoreMod | None = None
     mask_mod: mods.MaskMod | None = None
     return_lse: bool = False
-    #: ``(H,)`` learned sink logits, checked (`attention_ref.sinks`); only math and tiled take them.
+    #: ``(H,)`` learned sink logits, or one per query broadcastable to ``(..., H, L)``, checked
+    #: (`attention_ref.sinks`); only math and tiled take them.
     sinks: torch.Tensor | None = None
     #: Given by the caller (``block_mask=``, checked; then ``mask_mod`` is its mod), or made by
     #: ``"auto"`` when it looked at the mask_mod's sparsity; the tiled path uses it with its blocks.

@@ -647,7 +647,8 @@ def ring_attention(
         layout: how the sequence was split (`shard`): ``"zigzag"`` or ``"contiguous"``.
         sinks: ``(H,)``, one learned logit per query head (`attention_ref.sinks`),
             the same on every rank: a replicated parameter, like the model's
-            weights under context parallelism. Its gradient here is **this
+            weights under context parallelism (or one per local query,
+            broadcastable to ``(..., H, n)``: this rank's rows, all its own). Its gradient here is **this
             rank's share**, the sum over this rank's queries only, with no
             communication (as `shard` gives a replicated tensor the gradient of
             this rank's slice): the sum of the ranks' ``sinks.grad`` is the
@@ -694,7 +695,8 @@ def ring_attention(
             f"(full length {n * world})"
         )
     if sinks is not None:
-        check_sinks(sinks, heads_of(_batch_shape(query, key, value, enable_gqa)), query)
+        batch = _batch_shape(query, key, value, enable_gqa)
+        check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))  # this rank's queries
     # (..., H, n, Ev) and (..., H, n): the sink-free result over every key of the ring, compute dtype
     output, lse = _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world)
     if sinks is not None:

@@ -93,7 +93,7 @@ def _sink_scores(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tens
     """The sinks as one more score per row, ``(..., H, L, 1)`` beside ``scores`` ``(..., H, L, S)``; or None."""
     if sinks is None:
         return None
-    column = sink_column(sinks, scores).unsqueeze(-1)  # (H,) -> (H, 1, 1)
+    column = sink_column(sinks, scores).unsqueeze(-1)  # (H,) -> (H, 1, 1); one per query: (..., H, L, 1)
     return column.expand(*scores.shape[:-1], 1)  # (..., H, L, 1)
 
 
@@ -151,10 +151,10 @@ def _safe_softmax(scores: torch.Tensor, sinks: torch.Tensor | None = None) -> to
 
 
 def _checked_sinks(sinks: object, batch: tuple[int, ...], query: torch.Tensor) -> torch.Tensor | None:
-    """``sinks`` checked against the head dim of the leading dims ``(..., H)``; None stays None."""
+    """``sinks`` checked against the leading dims ``(..., H)`` and the rows ``(..., H, L)``; None stays None."""
     if sinks is None:
         return None
-    return check_sinks(sinks, heads_of(batch), query)
+    return check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))
 
 
 def attention_weights(
@@ -193,7 +193,8 @@ def attention_weights(
             takes part; combined (AND) with ``attn_mask`` and ``is_causal``.
         sinks: ``(H,)``, one learned logit per query head (``H`` = the scores'
             dim -3), added as ``exp(sinks[h])`` to each row's denominator, never
-            scaled (`attention_ref.sinks`).
+            scaled (`attention_ref.sinks`); or one per query, any tensor of two
+            or more dims broadcastable to ``(..., H, L)``.
         block_mask: a `attention_ref.tiled.BlockMask` made once by
             `attention_ref.tiled.create_block_mask`; its ``mask_mod`` masks, as
             if passed as ``mask_mod=`` (which may then be left out, or must be
@@ -309,7 +310,10 @@ def scaled_dot_product_attention(
             the scaled (and modded) scores, never multiplied by ``scale``: it
             adds ``exp(sinks[h])`` to every row's softmax denominator and has no
             value (gpt-oss; `attention_ref.sinks`). ``-inf`` = no sink for that
-            head. The ``"math"`` and ``"tiled"`` backends take it (``"auto"``
+            head. Or one logit per query (Inkling 2 computes them from the
+            hidden states): any tensor of two or more dims broadcastable to the
+            rows ``(..., H, L)``, e.g. ``(B, H, L)``; its gradient keeps its
+            shape. The ``"math"`` and ``"tiled"`` backends take it (``"auto"``
             picks one of them), with gradients to ``sinks``; the others raise.
         block_mask: a `attention_ref.tiled.BlockMask` made once by
             `attention_ref.tiled.create_block_mask` and reused across calls

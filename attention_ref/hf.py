@@ -49,7 +49,9 @@ to a function that ignored them would give plausible logits, far from eager's.
 | ``sliding_window=W``, no mask, ``S > W`` | ``from_hf_sliding_window(W)``; raises if bidirectional |
 | ``output_attentions`` | the weights are returned |
 | ``indices`` ``(B, L, k)`` int (DeepSeek V3.2 and its family) | `attention_ref.sparse.topk_attention`, the mask kept |
-| ``block_indices``, ``sinks``, packed-varlen keywords, ``cache`` | raise unless ``None`` |
+| ``sinks`` ``(B, H, L, 1)``, one per query (Inkling 2) | ``sinks=sinks[..., 0]``; raises beside ``s_aux`` |
+| ``block_indices`` ``(B, Hkv, L, k)`` int (MiniMax-M3) | `attention_ref.sparse.block_topk_attention`, blocks of ``module.indexer.block_size`` |
+| packed-varlen keywords, ``cache`` | raise unless ``None`` |
 | any other keyword | raises, unless in `HARMLESS_KEYWORDS` |
 
 ``indices`` is DeepSeek V3.2's top-k selection (also GLM-5's, Mistral Large 4's
@@ -65,9 +67,13 @@ is spread over its ``k`` listed keys here and over all ``S`` keys in eager
 (its float mask holds the same most-negative number everywhere); such a row is
 a padding token's, which no real token reads.
 
-Of the refused: ``block_indices`` (MiniMax-M3) selects key blocks, a
-block-sparse top-k that attention_ref does not implement; ``sinks`` (Inkling) is
-a sink per query, where attention_ref has one per head; ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` describe
+``block_indices`` is MiniMax-M3's block selection: per query and key/value
+head, the key blocks (of ``module.indexer.block_size`` keys) its indexer kept,
+``-1`` padded. transformers folds it into the mask for eager and SDPA only;
+here each query head reads its key/value head's blocks (as that mask does),
+and attends to their keys the mask keeps.
+
+Of the refused: ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` describe
 packed sequences, which this adapter reads from the mask only; ``cache`` is a
 paged cache the attention function would have to update. A sliding window on a
 bidirectional layer without a mask is refused because transformers' own paths
@@ -96,7 +102,7 @@ from attention_ref import mods
 from attention_ref.conventions import from_hf_sliding_window
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.masks import combine_masks
-from attention_ref.sparse import topk_attention
+from attention_ref.sparse import block_topk_indices, topk_attention
 
 __all__ = ["DEFAULT_NAME", "HARMLESS_KEYWORDS", "attention_forward", "record_weights", "register"]
 
@@ -124,9 +130,6 @@ HARMLESS_KEYWORDS: dict[str, str] = {
 
 # Keywords that change attention and that this module does not implement: accepted only as None.
 _REFUSED = {
-    "block_indices": "MiniMax-M3's block-sparse attention (each query attends only to the key blocks its "
-    "indexer chose): attention_ref does not implement block-sparse top-k attention yet",
-    "sinks": "one sink logit per query (Inkling): attention_ref's sinks are one logit per head",
     "cu_seq_lens_q": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
     "cu_seq_lens_k": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
     "max_length_q": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
@@ -171,6 +174,22 @@ def _check_keywords(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         )
 
 
+def _per_query_sinks(module: torch.nn.Module, sinks: Any, s_aux: Any, query: torch.Tensor) -> torch.Tensor:
+    """Inkling 2's ``sinks`` ``(B, H, L, 1)`` as attention_ref's one sink per query ``(B, H, L)``."""
+    if s_aux is not None:
+        raise NotImplementedError(
+            f"attention_ref.hf: {_where(module)} passed both s_aux (one sink per head) and sinks (one per query): "
+            "two sinks in one row is no convention this adapter knows. Refusing rather than guessing."
+        )
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() < 2 or sinks.shape[-1] != 1:
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(
+            f"attention_ref.hf: {_where(module)} passed sinks of shape {shape}; expected a column beside the "
+            f"scores, (B, H, L, 1) = (.., {query.shape[-3]}, {query.shape[-2]}, 1), one logit per query"
+        )
+    return sinks[..., 0]  # (B, H, L, 1) -> (B, H, L)
+
+
 def _check_not_packed(module: torch.nn.Module, position_ids: Any, L: int) -> None:
     """A batch whose positions restart within a row is packed; without a mask nothing separates its sequences."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != L or L < 2:
@@ -193,6 +212,32 @@ def _selected(module: torch.nn.Module, indices: object, query: torch.Tensor) -> 
             f"query, (B, L, k) with (B, L) = ({B}, {L}), as DeepSeek V3.2 passes them"
         )
     return indices.unsqueeze(1)  # (B, L, k) -> (B, 1, L, k): shared by the H heads
+
+
+def _block_keys(module: torch.nn.Module, block_indices: Any, indices: Any, query: torch.Tensor, S: int) -> torch.Tensor:
+    """MiniMax-M3's ``block_indices`` ``(B, Hkv, L, k)`` as the keys of each query head, ``(B, H, L, k * block)``."""
+    if indices is not None:
+        raise NotImplementedError(
+            f"attention_ref.hf: {_where(module)} passed both indices (top-k keys) and block_indices (top-k key "
+            "blocks); no model combines them. Refusing rather than guessing."
+        )
+    block_size = getattr(getattr(module, "indexer", None), "block_size", None)
+    if not isinstance(block_size, int):
+        raise NotImplementedError(
+            f"attention_ref.hf: {_where(module)} passed block_indices but has no indexer.block_size (MiniMax-M3's "
+            "layout): the size of a key block is unknown. Refusing rather than guessing."
+        )
+    B, H, L = query.shape[0], query.shape[-3], query.shape[-2]
+    if (not isinstance(block_indices, torch.Tensor) or block_indices.dim() != 4
+            or (block_indices.shape[0], block_indices.shape[2]) != (B, L) or H % max(block_indices.shape[1], 1)):
+        got = f"shape {tuple(block_indices.shape)}" if isinstance(block_indices, torch.Tensor) else type(
+            block_indices).__name__
+        raise ValueError(
+            f"attention_ref.hf: {_where(module)} passed block_indices of {got}; expected (B, H_index, L, k) with "
+            f"(B, L) = ({B}, {L}) and H_index dividing H = {H}, as MiniMax-M3 passes them"
+        )
+    per_head = block_indices.repeat_interleave(H // block_indices.shape[1], dim=1)  # (B, Hkv, L, k) -> (B, H, L, k)
+    return block_topk_indices(per_head, block_size, S)  # (B, H, L, k * block_size)
 
 
 def _window(module: torch.nn.Module, sliding_window: int, causal: bool, L: int, S: int) -> mods.MaskMod:
@@ -223,6 +268,8 @@ def attention_forward(
     s_aux: torch.Tensor | None = None,
     position_bias: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    block_indices: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention function `register` gives transformers: one layer through the reference.
@@ -254,6 +301,14 @@ def attention_forward(
             for all heads: each query attends only to the keys listed, through
             `attention_ref.sparse.topk_attention` (``-1`` = no key; a key out of
             range or listed twice raises); ``None``: dense attention.
+        sinks: one sink logit per query, ``(B, H, L, 1)``, a column beside the
+            scores (Inkling 2 computes it from each token's hidden state):
+            ``sinks=sinks[..., 0]`` of `attention_ref.scaled_dot_product_attention`.
+            Given together with ``s_aux`` it raises (two sinks per row).
+        block_indices: MiniMax-M3's key blocks per query, ``(B, Hkv, L, k)``
+            integer (``-1`` = none), blocks of ``module.indexer.block_size`` keys:
+            `attention_ref.sparse.block_topk_attention`, query head ``h`` reading
+            index head ``h // (H // Hkv)``. Given with ``indices`` it raises.
         **kwargs: ``output_attentions`` (return the weights), the keywords of
             `HARMLESS_KEYWORDS`, and keywords refused unless ``None``.
 
@@ -278,6 +333,8 @@ def attention_forward(
         if sliding_window is not None and S > sliding_window:
             window = _window(module, sliding_window, layer_causal, L, S)
     causal = L > 1 and attention_mask is None and layer_causal
+    if sinks is not None:
+        s_aux = _per_query_sinks(module, sinks, s_aux, query)
     if position_bias is not None:  # one float mask: the bias, plus 0 / -inf (bool) or the float mask
         attention_mask = combine_masks(position_bias, attention_mask)
     want_weights = bool(getattr(_recording, "lists", None)) or bool(kwargs.get("output_attentions", False))
@@ -291,10 +348,13 @@ def attention_forward(
         "sinks": s_aux,
         "return_weights": want_weights,
     }
+    if block_indices is not None:  # MiniMax-M3's key blocks, as the keys they hold
+        indices = _block_keys(module, block_indices, indices, query, S)
     if indices is None:
         result = scaled_dot_product_attention(query, key, value, attention_mask, **options)
     else:  # top-k sparse attention: the same call, the selection as one more mask
-        result = topk_attention(query, key, value, _selected(module, indices, query), attention_mask, **options)
+        selected = indices if block_indices is not None else _selected(module, indices, query)
+        result = topk_attention(query, key, value, selected, attention_mask, **options)
     output, weights = result if want_weights else (result, None)
     if weights is not None:
         for captured in getattr(_recording, "lists", []):

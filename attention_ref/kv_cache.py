@@ -260,7 +260,8 @@ def attention_with_kv_cache(
             `attention_ref.functional.scaled_dot_product_attention`).
         sinks: ``(H,)``, one learned logit per *query* head (not per key/value
             head), added as ``exp(sinks[h])`` to every query's softmax
-            denominator, never scaled (`attention_ref.sinks`). The whole
+            denominator, never scaled (`attention_ref.sinks`); or one per new
+            query, broadcastable to ``(B, H, Lq)``. The whole
             row is one call of the core, so the sink enters each row once,
             whatever the cache's length or layout. ``"math"``, ``"tiled"``
             and ``"auto"`` take it; ``"sdpa"`` and ``"triton"`` raise.
@@ -332,7 +333,7 @@ def attention_with_kv_cache(
             f"got Hkv = {Hkv}"
         )
     if sinks is not None:
-        check_sinks(sinks, H, query)  # one per query head (dim 1), not per key/value head
+        check_sinks(sinks, H, query, rows=(B, H, Lq))  # per query head (dim 1), not per key/value head, or per query
     if paged:
         num_blocks, _, block_size, _ = key_cache.shape
         block_table = _int_tensor("block_table", block_table, "(B, max_blocks)", None, 2, query.device)

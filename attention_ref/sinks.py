@@ -1,4 +1,4 @@
-r"""Learned attention sinks: one extra logit per query head in the softmax's denominator.
+r"""Learned attention sinks: one extra logit per query head (or per query) in the softmax's denominator.
 
 gpt-oss, DeepSeek V4, MiMo-V2-Flash and Granite-SWA give each query head ``h`` one
 learned number ``s_h``, the *sink*. It is a logit with no value vector: it takes
@@ -15,6 +15,11 @@ where ``S`` are the scores after ``scale``, the mods and the masks: the sink liv
 in that space and is never multiplied by ``scale``. A row with no key gives output
 0, weights 0 and ``lse = s_h``. Under grouped-query attention the sink belongs to
 the query head.
+
+Inkling 2 goes one step further: its sink is computed from each token's hidden
+state, one logit ``s_{h,i}`` per head and query. Every function here takes that
+too, as a tensor of two or more dims broadcastable to the rows ``(..., H, L)``
+(``(B, H, L)`` for a batch); a one-dimensional ``sinks`` is always ``(H,)``.
 
 Because the sink has no value, it can be added after the attention over the keys
 is done: with the sink-free result ``(out, lse)``,
@@ -53,16 +58,24 @@ from attention_ref._validation import fmt_shape
 __all__ = ["add_sinks", "check_sinks", "sink_column"]
 
 
-def check_sinks(sinks: object, heads: int, like: torch.Tensor, name: str = "sinks") -> torch.Tensor:
-    """Check a sinks vector against ``heads`` query heads; returns it.
+def check_sinks(
+    sinks: object, heads: int, like: torch.Tensor, name: str = "sinks", rows: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Check sinks against ``heads`` query heads (and the rows they join); returns them.
 
     Args:
-        sinks: the tensor to check: ``(H,)``, floating point, on ``like``'s device,
-            no NaN and no ``+inf`` (``-inf`` is allowed: a head without a sink).
+        sinks: the tensor to check: ``(H,)``, one logit per query head, or, where
+            ``rows`` is given, any tensor of two or more dims that broadcasts to
+            ``rows`` ``(..., H, L)`` without enlarging it: one logit per query
+            (Inkling 2 computes ``(B, H, L)`` from the hidden states). Floating
+            point, on ``like``'s device, no NaN and no ``+inf`` (``-inf`` is
+            allowed: no sink for that head or query).
         heads: ``H``, the size of the query's head dim (dim -3; 1 when the
             query has no leading dims).
         like: a tensor of the call (device).
         name: the argument's name in messages.
+        rows: ``(..., H, L)``, the shape of the rows the sinks join; ``None``
+            where only one sink per head is taken.
 
     Raises:
         TypeError: not a tensor, or not floating point.
@@ -72,18 +85,37 @@ def check_sinks(sinks: object, heads: int, like: torch.Tensor, name: str = "sink
         raise TypeError(f"{name} must be a torch.Tensor of shape (H,) = ({heads},), got {type(sinks).__name__}")
     if not sinks.is_floating_point():
         raise TypeError(f"{name} must be floating point (one logit per query head), got {sinks.dtype}")
-    if tuple(sinks.shape) != (heads,):
-        raise ValueError(
-            f"{name} must have shape (H,) = ({heads},), one logit per query head (dim -3 of the query), "
-            f"got {fmt_shape(sinks.shape)}"
-        )
     if sinks.device != like.device:
         raise ValueError(f"{name} must be on the query's device {like.device}, got {sinks.device}")
+    if sinks.dim() >= 2 and rows is not None:
+        if _broadcasts_to(sinks.shape, rows):
+            return _finite_or_minus_inf(sinks, name, "query")
+        raise ValueError(
+            f"{name} must have shape (H,) = ({heads},), one logit per query head, or broadcast to the rows "
+            f"(..., H, L) = {fmt_shape(rows)}, one per query; got {fmt_shape(sinks.shape)}"
+        )
+    if tuple(sinks.shape) != (heads,):
+        per_query = (f", or broadcast to the rows (..., H, L) = {fmt_shape(rows)}, one per query" if rows is not None
+                     else "; this function takes no sink per query")
+        raise ValueError(
+            f"{name} must have shape (H,) = ({heads},), one logit per query head (dim -3 of the query)"
+            f"{per_query}, got {fmt_shape(sinks.shape)}"
+        )
+    return _finite_or_minus_inf(sinks, name, "head")
+
+
+def _broadcasts_to(shape: torch.Size, rows: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``rows`` without enlarging it (and has no more dims)."""
+    if len(shape) > len(rows):
+        return False
+    return all(n in (1, m) for n, m in zip(reversed(shape), reversed(rows)))
+
+
+def _finite_or_minus_inf(sinks: torch.Tensor, name: str, per: str) -> torch.Tensor:
     bad = torch.isnan(sinks) | (sinks == float("inf"))
     if bool(bad.any()):
-        raise ValueError(
-            f"{name} must hold finite logits or -inf (no sink for that head), got {sinks.tolist()}"
-        )
+        shown = sinks.tolist() if sinks.numel() <= 16 else f"{int(bad.sum())} NaN or +inf entries"
+        raise ValueError(f"{name} must hold finite logits or -inf (no sink for that {per}), got {shown}")
     return sinks
 
 
@@ -93,7 +125,10 @@ def heads_of(shape: tuple[int, ...] | torch.Size) -> int:
 
 
 def sink_column(sinks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The sinks laid out along ``rows``' ``(..., H, L)`` dims: ``(H, 1)``, in ``rows``' dtype."""
+    """The sinks laid out along ``rows``' ``(..., H, L)`` dims, in ``rows``' dtype: ``(H, 1)`` for one per head,
+    as given (broadcastable to ``(..., H, L)``) for one per query."""
+    if sinks.dim() >= 2:
+        return sinks.to(rows.dtype)
     return sinks.to(rows.dtype).reshape(-1, 1)  # (H,) -> (H, 1): broadcasts over (..., H, L)
 
 
@@ -149,8 +184,9 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
     Args:
         out: ``(..., H, L, Ev)``, sink-free.
         lse: ``(..., H, L)``, its natural-log log-sum-exp (``-inf`` on a row with no key).
-        sinks: ``(H,)``, one logit per query head, in the space of the scaled
-            scores; ``-inf`` for a head without a sink.
+        sinks: ``(H,)``, one logit per query head, or broadcastable to ``lse``
+            ``(..., H, L)`` with two or more dims, one per query; in the space of
+            the scaled scores; ``-inf`` for no sink.
 
     Returns:
         ``(out', lse')``: ``out'`` in ``out``'s dtype, ``lse'`` (sink-inclusive)
@@ -184,6 +220,7 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
         )
     if out.device != lse.device:
         raise ValueError(f"out and lse must be on one device, got {out.device} and {lse.device}")
-    check_sinks(sinks, heads_of(lse.shape[:-1]), lse)
+    check_sinks(sinks, heads_of(lse.shape[:-1]), lse, rows=tuple(lse.shape))
+    # (H,) -> (H, 1), or one per query as given -> (..., H, L); an lse of one dim (L,) has H = 1
     s = sink_column(sinks, lse).expand(lse.shape) if lse.dim() >= 2 else sinks.to(lse.dtype).expand(lse.shape)
     return _AddSinks.apply(out, lse, s)

@@ -58,6 +58,10 @@ an additive ``log c`` give the same); flashinfer-bench's DSA evaluator treats
 duplicates as invalid. Without duplicates, and with invalid slots set to
 ``-1``, they all equal this module.
 
+MiniMax-M3 selects *blocks* of keys instead (``block_indices``, ``-1`` padded):
+`block_topk_attention` is `topk_attention` over the keys of the listed blocks
+(`block_topk_indices`), the same semantics at block granularity.
+
 The selection itself: `lightning_indexer` scores every key with DSA's indexer
 (``sum_h w_h relu(scale q_h . k)``, one key head, RoPE half-split on the first
 dims, LayerNorm'd key) and keeps the top ``k``, masked slots ``-1``;
@@ -87,6 +91,8 @@ from attention_ref.functional import scaled_dot_product_attention
 __all__ = [
     "LightningIndexer",
     "assert_topk_close",
+    "block_topk_attention",
+    "block_topk_indices",
     "indexer_rope",
     "lightning_indexer",
     "topk_attention",
@@ -97,24 +103,24 @@ __all__ = [
 NO_KEY = -1
 
 
-def _position(flat: int, shape: tuple[int, ...]) -> str:
+def _position(flat: int, shape: tuple[int, ...], name: str = "indices") -> str:
     """``indices[a, b, c]``: where the flat offset ``flat`` of a tensor of ``shape`` lies."""
     place = []
     for size in reversed(shape):
         flat, rest = divmod(flat, size)
         place.append(rest)
-    return "indices[" + ", ".join(str(i) for i in reversed(place)) + "]"
+    return f"{name}[" + ", ".join(str(i) for i in reversed(place)) + "]"
 
 
-def _check_indices(indices: object, S: int) -> torch.Tensor:
-    """``indices`` is an integer tensor ``(..., L, k)`` of keys in ``[0, S)`` or -1, no key twice in a row."""
-    indices = require_tensor("indices", indices)
+def _check_indices(indices: object, S: int, name: str = "indices", unit: str = "key") -> torch.Tensor:
+    """``indices`` is an integer tensor ``(..., L, k)`` of ``unit`` positions in ``[0, S)`` or -1, none twice in a row."""
+    indices = require_tensor(name, indices)
     if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex() or not indices.is_signed():
-        # unsigned: -1 (no key) cannot be written, and torch compares uint8 with -1 as 255
-        raise TypeError(f"indices must be a signed integer tensor (key positions, -1 = no key), got {indices.dtype}")
+        # unsigned: -1 (none) cannot be written, and torch compares uint8 with -1 as 255
+        raise TypeError(f"{name} must be a signed integer tensor ({unit} positions, -1 = no {unit}), got {indices.dtype}")
     if indices.dim() < 2:
         raise ValueError(
-            f"indices must have at least 2 dims (..., L, k), got {indices.dim()} dims with shape "
+            f"{name} must have at least 2 dims (..., L, k), got {indices.dim()} dims with shape "
             f"{fmt_shape(indices.shape)}"
         )
     shape = tuple(indices.shape)
@@ -123,20 +129,20 @@ def _check_indices(indices: object, S: int) -> torch.Tensor:
         flat = int(bad.flatten().nonzero()[0])
         value = int(indices.flatten()[flat])
         raise ValueError(
-            f"indices must hold key positions in [0, S) = [0, {S}), or -1 for no key; "
-            f"got {value} at {_position(flat, shape)}"
+            f"{name} must hold {unit} positions in [0, {'S' if unit == 'key' else 'n'}) = [0, {S}), or -1 for no "
+            f"{unit}; got {value} at {_position(flat, shape, name)}"
         )
     if shape[-1] > 1:
-        ordered = indices.sort(dim=-1).values  # (..., L, k): a repeated key sits next to itself
+        ordered = indices.sort(dim=-1).values  # (..., L, k): a repeated entry sits next to itself
         repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != NO_KEY)  # (..., L, k - 1)
         if bool(repeated.any()):
             runs = repeated.reshape(-1, shape[-1] - 1)  # (rows, k - 1)
             row = int(runs.any(dim=-1).nonzero()[0])  # the first row with a repeat
-            key = int(ordered.reshape(-1, shape[-1])[row, int(runs[row].nonzero()[0]) + 1])
-            where = _position(row, shape[:-1])
+            entry = int(ordered.reshape(-1, shape[-1])[row, int(runs[row].nonzero()[0]) + 1])
+            where = _position(row, shape[:-1], name)
             raise ValueError(
-                f"indices must list each key at most once per query (the selected keys are a set): "
-                f"key {key} appears more than once in {where} (FlashMLA would count it twice, "
+                f"{name} must list each {unit} at most once per query (the selected {unit}s are a set): "
+                f"{unit} {entry} appears more than once in {where} (FlashMLA would count it twice, "
                 "FlashAttention 4 once, attention-gym by its count; remove the repeats or replace them by -1)"
             )
     return indices
@@ -307,6 +313,95 @@ def topk_attention(
         return_weights=return_weights, backend=backend, score_mod=score_mod, mask_mod=combined,
         return_lse=return_lse, sinks=sinks,
     )
+
+
+# --- block-sparse top-k (MiniMax-M3) ----------------------------------------------------------------
+
+
+def block_topk_indices(block_indices: torch.Tensor, block_size: int, S: int) -> torch.Tensor:
+    """The keys of the key blocks ``block_indices`` lists: ``indices`` for `topk_attention`.
+
+    Block ``b`` holds keys ``[b * block_size, (b + 1) * block_size)``, the last
+    block cut at ``S``; its listed keys past ``S`` and the keys of a ``-1`` slot
+    become ``-1`` (no key).
+
+    Args:
+        block_indices: ``(..., L, k)`` integer, block positions in
+            ``[0, ceil(S / block_size))`` or ``-1`` (no block); each block at
+            most once per row.
+        block_size: keys per block, a positive int.
+        S: the number of keys.
+
+    Returns:
+        ``(..., L, k * block_size)`` int64, the keys block by block.
+
+    Raises:
+        TypeError: ``block_indices`` not a signed integer tensor; ``block_size``
+            or ``S`` not an int.
+        ValueError: a block outside ``[0, n)`` other than ``-1`` (the message
+            gives it, its place and the range), a block listed twice in a row,
+            ``block_size < 1``, ``S < 0``.
+
+    Examples:
+        >>> import torch
+        >>> block_topk_indices(torch.tensor([[1, -1], [0, 2]]), 2, 5).tolist()
+        [[2, 3, -1, -1], [0, 1, 4, -1]]
+    """
+    block_size = check_positive_int("block_size", block_size)
+    S = check_positive_int("S", S, allow_zero=True)
+    blocks = _check_indices(block_indices, -(-S // block_size), "block_indices", "block")
+    offsets = torch.arange(block_size, device=blocks.device)  # (block_size,)
+    keys = blocks.long().unsqueeze(-1) * block_size + offsets  # (..., L, k, block_size)
+    keys = keys.masked_fill((blocks.unsqueeze(-1) == NO_KEY) | (keys >= S), NO_KEY)
+    return keys.flatten(-2)  # (..., L, k, block_size) -> (..., L, k * block_size)
+
+
+def block_topk_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_indices: torch.Tensor,
+    block_size: int,
+    attn_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    r"""Attention of each query over the key *blocks* ``block_indices`` lists (MiniMax-M3's sparse attention).
+
+    MiniMax-M3's indexer scores blocks of ``block_size`` keys and keeps the best
+    ``k`` per query; each query then attends to every key of its blocks that the
+    other masks keep. That is `topk_attention` over the keys of those blocks
+    (`block_topk_indices`), and is computed so: the same semantics (a set,
+    ``-1`` = none, out of range and repeats raise, causality only when asked).
+
+    Args:
+        query, key, value: as `topk_attention`.
+        block_indices: ``(..., L, k)`` integer, the blocks of each query, in
+            ``[0, ceil(S / block_size))`` or ``-1``; its leading dims broadcast
+            to the output's ``(..., H)``. (transformers' MiniMax-M3 passes one
+            selection per key/value head, ``(B, Hkv, L, k)``: repeat each
+            ``H // Hkv`` times along dim 1 first, as its eager mask does.)
+        block_size: keys per block.
+        attn_mask: as `topk_attention`.
+        **kwargs: every keyword of `topk_attention` (``is_causal``, ``scale``,
+            ``enable_gqa``, ``sinks``, ``backend``, ...).
+
+    Returns:
+        As `topk_attention`.
+
+    Raises:
+        TypeError, ValueError: as `block_topk_indices` and `topk_attention`.
+
+    Examples:
+        >>> import torch
+        >>> q, k, v = torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 2)
+        >>> blocks = torch.tensor([[0, -1], [2, 0], [1, -1]])  # (L, k) with blocks of 2 keys
+        >>> out = block_topk_attention(q, k, v, blocks, 2)
+        >>> torch.allclose(out, topk_attention(q, k, v, block_topk_indices(blocks, 2, 6)))
+        True
+    """
+    query, key, value, _ = _inputs.check_qk(query, key, value, kwargs.get("enable_gqa", False))
+    S = key.shape[-2]
+    return topk_attention(query, key, value, block_topk_indices(block_indices, block_size, S), attn_mask, **kwargs)
 
 
 # --- the lightning indexer ---------------------------------------------------------------------

@@ -210,7 +210,8 @@ def assert_attention_close(
     **Log-sum-exp and sinks.** ``actual_lse`` is judged by the same rule, row by
     row, against the reference's ``log(sum_j exp(scores_ij))`` (natural log;
     ``lse_base=2`` for a base-2 one: FlashInfer's); ``-inf`` on a row with no
-    key. With ``sinks=`` (one logit per query head, `attention_ref.sinks`) it
+    key. With ``sinks=`` (one logit per query head, or per query: any shape
+    `attention_ref.scaled_dot_product_attention` takes; `attention_ref.sinks`) it
     includes the sink, as this package's and FlashAttention 4's do; convert other
     conventions first (`attention_ref.conventions`, e.g. FlashMLA's sink-free
     ``lse`` with ``from_flash_mla_lse``). The sinks' gradient is judged when
@@ -234,7 +235,8 @@ def assert_attention_close(
         grad_output: ``(..., H, L, Ev)``, the gradient fed to the kernel's
             backward; give it together with ``actual_grads`` to check gradients.
         actual_grads: ``(dq, dk, dv)`` shaped like ``query``, ``key``, ``value``;
-            or ``(dq, dk, dv, dsinks)`` with ``dsinks`` ``(H,)`` (needs ``sinks=``).
+            or ``(dq, dk, dv, dsinks)`` with ``dsinks`` shaped like ``sinks``
+            (needs ``sinks=``); each of its entries is judged.
         actual_lse: ``(..., H, L)``, the kernel's log-sum-exp, in base ``lse_base``.
         lse_base: the base of ``actual_lse``'s logarithm, a number > 1: ``math.e``
             (the default) or 2.
@@ -356,7 +358,7 @@ def assert_attention_close(
         grads_low = _grad(low, wrt_low, grad_output.detach().to(dtype))
         names = ("dq", "dk", "dv", "dsinks")
         for i, got in enumerate(actual_grads):
-            rows = ("query", "key", "key", "head")[i]  # dsinks: one value per head, each judged
+            rows = ("query", "key", "key", "head")[i]  # dsinks: one value per head (or query), each judged
             quantities.append(_Quantity(names[i], got, grads64[i], grads_low[i], dtype, rows, swap and i < 3,
                                         rounding=rounding.get(names[i])))
     if with_lse:
@@ -802,7 +804,8 @@ def _low_precision_attention(
         blown = blown & allowed
     overflowed = blown.any(dim=-1) if S else blown.sum(dim=-1).bool()  # (..., L)
     if sinks is not None:  # one more column, the sink: a score with no value
-        column = sinks.to(dtype).reshape(-1, 1) if scores.dim() >= 3 else sinks.to(dtype)  # (H, 1) or (1,)
+        # (H,) -> (H, 1), or (1,) for scores (L, S); one per query as given, broadcastable to (..., H, L)
+        column = sinks.to(dtype).reshape(-1, 1) if scores.dim() >= 3 and sinks.dim() == 1 else sinks.to(dtype)
         column = column.expand(scores.shape[:-1]).unsqueeze(-1)  # (..., H, L, 1)
         scores = torch.cat([scores, column], dim=-1)  # (..., L, S + 1)
     # A row with no finite score (no key, no sink) gives 0, as the reference does; its scores are
@@ -842,9 +845,11 @@ def _rounding(
       result, and the factors it stores before a product, as FlashAttention
       does in float16 and bfloat16 (``P`` before ``P @ V`` and ``P^T @ dO``,
       ``dS`` before ``dS @ K`` and ``dS^T @ Q``, ``dP`` in a formulation that
-      stores it): ``u_in * (|x| + sqrt(sum_j (f_j y_j)^2))``, ``f_j`` the
-      stored factor's error in units of ``u_in``, ``y_j`` the other factor,
-      independent roundings adding in quadrature.
+      stores it, the output ``O`` that ``D = rowsum(dO * O)`` reads, and each
+      query head's share of ``dk`` and ``dv`` before a head group's sum):
+      ``u_in * (|x| + sqrt(sum_j (f_j y_j)^2))``, ``f_j`` the stored factor's
+      error in units of ``u_in``, ``y_j`` the other factor, independent
+      roundings adding in quadrature.
 
     Each row gets its largest column. Measured (issue 32) on 500 seeds, float16
     and bfloat16, three right kernels (torch's CPU flash kernel, float16 scores
@@ -894,6 +899,11 @@ def _rounding(
     # query that sees one key, where every formulation's dS is 0
     dp = d_weights.abs()
     stored = d_scores.abs() + P * (dp + (P * dp).sum(-1, keepdim=True) - 2 * P * dp)  # (..., H, L, S), >= 0
+    # D_i = rowsum(dO_i * O_i) read from the stored output O (FlashAttention's backward does): O rounded to the
+    # inputs' dtype shifts every dS_ij of the row by P_ij times the same error. Its size, in units of u_in, from
+    # the rounding of the exact O (0 where O is representable, as for a query that sees one key)
+    o_error = (exact_out.to(query.dtype).to(torch.float64) - exact_out).abs()  # (..., H, L, Ev)
+    d_rows_error = (d_out * o_error).square().sum(-1, keepdim=True).sqrt() / unit_in  # (..., H, L, 1)
 
     def per_key(x: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
         """(..., H, S, C) summed to ``like``'s (..., Hkv, S, C): over each head group and broadcast dims."""
@@ -903,20 +913,30 @@ def _rounding(
             (summed,) = torch.autograd.grad(copies, leaf, x.sum_to_size(copies.shape))
         return summed
 
+    def shares(x: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+        """sum_h x_h^2 over each head group: a kernel may store each query head's share before the group's sum."""
+        return per_key(x.square(), like, name) if group > 1 else torch.zeros_like(like)
+
     scale = abs(scale)
-    # (.., H, L, S) x (.., H, S, E) -> (.., H, L, E) -> (.., H, L)
+    mean_key = P @ k_all  # (.., H, L, S) x (.., H, S, E) -> (.., H, L, E): sum_j P_ij k_j
     result["dq"] = bound(per_query, scale * (d_scores @ k_all), scale * (terms @ k_all.abs()),
-                         scale ** 2 * (stored.square() @ k_all.square()))
+                         scale ** 2 * (stored.square() @ k_all.square() + (d_rows_error * mean_key).square()))
     # (.., H, S, L) x (.., H, L, E) -> (.., H, S, E), summed over each head group -> (.., Hkv, S, E) -> (.., Hkv, S)
-    result["dk"] = bound(per_key_row, per_key(scale * (d_scores.transpose(-2, -1) @ q), k, "key"),
+    stored_k = stored.square() + (P * d_rows_error).square()  # (..., H, L, S)
+    d_key_heads = scale * (d_scores.transpose(-2, -1) @ q)  # (..., H, S, E): each query head's share of dk
+    result["dk"] = bound(per_key_row, per_key(d_key_heads, k, "key"),
                          per_key(scale * (terms.transpose(-2, -1) @ q.abs()), k, "key"),
-                         per_key(scale ** 2 * (stored.square().transpose(-2, -1) @ q.square()), k, "key"))
+                         per_key(scale ** 2 * (stored_k.transpose(-2, -1) @ q.square()), k, "key")
+                         + shares(d_key_heads, k, "key"))
     # (.., H, S, L) x (.., H, L, Ev) -> (.., H, S, Ev), summed over each head group -> (.., Hkv, S)
-    result["dv"] = bound(per_key_row, per_key(P.transpose(-2, -1) @ d_out, v, "value"),
+    d_value_heads = P.transpose(-2, -1) @ d_out  # (..., H, S, Ev)
+    result["dv"] = bound(per_key_row, per_key(d_value_heads, v, "value"),
                          per_key(conditioned.transpose(-2, -1) @ d_out.abs(), v, "value"),
-                         per_key(P.square().transpose(-2, -1) @ d_out.square(), v, "value"))
+                         per_key(P.square().transpose(-2, -1) @ d_out.square(), v, "value")
+                         + shares(d_value_heads, v, "value"))
     if isinstance(weights_kwargs.get("sinks"), torch.Tensor):
-        # dsinks_h = -sum_i p_i D_i over every row i of head h: p_i the sink's weight, D_i = rowsum(dO_i * O_i).
+        # dsinks_h = -sum_i p_i D_i over every row i of head h (or over the rows one sink per query broadcasts
+        # to): p_i the sink's weight, D_i = rowsum(dO_i * O_i).
         # One value per head, judged against a single sample of the baseline's rounding, which a right kernel
         # may exceed (issue 32: 6 of 100 right float16 kernels, x-transformers' formulation, failed on
         # dsinks alone). Its floor is an a priori bound in the inputs' dtype, where a kernel may keep O and
@@ -926,11 +946,26 @@ def _rounding(
         p_sink = (1 - P.sum(-1)).clamp_min(0)  # (..., H, L)
         d_rows = d_rows.squeeze(-1)  # (..., H, L): D_i = rowsum(dO_i * O_i)
         terms_sink = p_sink * (d_rows.abs() + (d_out.abs() * exact_out.abs()).sum(-1))  # (..., H, L)
-        H = terms_sink.shape[-2]
-        per_head = terms_sink.movedim(-2, 0).reshape(H, -1)  # (..., H, L) -> (H, rows)
-        dsinks = (p_sink * d_rows).movedim(-2, 0).reshape(H, -1).sum(-1).abs()  # (H,), |dsinks_h|
-        result["dsinks"] = unit_in * (per_head.square().sum(-1).sqrt() + dsinks)  # (H,): judged head by head
+        sinks = weights_kwargs["sinks"]
+        dsinks = _summed_to_sinks(p_sink * d_rows, sinks).abs()  # sinks' shape: |dsinks|
+        result["dsinks"] = unit_in * (_summed_to_sinks(terms_sink.square(), sinks).sqrt() + dsinks)  # each judged
     return result
+
+
+def _summed_to_sinks(x: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Rows ``(..., H, L)`` (or ``(L,)``) summed to the sinks' shape: over every row of a head for ``(H,)``, over
+    the rows each entry broadcasts to for one sink per query."""
+    if sinks.dim() >= 2:
+        return x.sum_to_size(sinks.shape)
+    if x.dim() < 2:  # rows (L,): one head
+        return x.sum().reshape(1)
+    return x.movedim(-2, 0).reshape(x.shape[-2], -1).sum(-1)  # (..., H, L) -> (H, rows) -> (H,)
+
+
+def _no_sink(sinks: torch.Tensor, rows_dim: int) -> torch.Tensor:
+    """Bool, broadcastable to rows of ``rows_dim`` dims ``(..., H, L)``: True where no finite sink joins the row."""
+    no_sink = ~torch.isfinite(sinks)
+    return no_sink.reshape(-1, 1) if sinks.dim() == 1 and rows_dim >= 2 else no_sink  # (H,) -> (H, 1)
 
 
 def _masked_below_min(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -965,8 +1000,7 @@ def _rows_without_agreed_output(
     rows = literal.any(-1) & ~kept.any(-1)  # (..., L)
     sinks = kwargs.get("sinks")
     if sinks is not None:  # a finite sink takes the whole row: output 0 in every convention
-        no_sink = ~torch.isfinite(sinks)
-        rows = rows & (no_sink.reshape(-1, 1) if output.dim() >= 3 else no_sink)
+        rows = rows & _no_sink(sinks, output.dim() - 1)
     rows = rows.expand(*batch, L) if len(batch) else rows.expand(L)
     return rows if bool(rows.any()) else None
 
@@ -1124,7 +1158,7 @@ def _judge(q: _Quantity, factor: float, atol: float, bound: str) -> _Verdict:
     if q.rows == "one":
         lines.append("    judged as one row (the whole tensor)")
     else:
-        kind = {"query": "query rows", "key": "key rows", "scalar": "query rows", "head": "heads", "token": "token rows",
+        kind = {"query": "query rows", "key": "key rows", "scalar": "query rows", "head": "sinks", "token": "token rows",
                 "state": "state rows"}[q.rows]
         lines.append(f"    {int(failing.sum())} of {failing.numel()} {kind} out of bounds; the numbers above are those "
                      f"of row {_swap_row(row) if q.swap else row}, the failing row with the largest error")
@@ -1217,8 +1251,7 @@ def _empty_row_lines(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     empty = P.sum(-1) == 0  # (..., H, L)
     sinks = kwargs64.get("sinks")
     if sinks is not None:  # a finite sink takes the whole row: output 0 in every convention
-        no_sink = ~torch.isfinite(sinks.detach())
-        empty = empty & (no_sink.reshape(-1, 1) if empty.dim() >= 2 else no_sink)
+        empty = empty & _no_sink(sinks.detach(), empty.dim())
     error = _per_row(_abs_diff(actual, verdict.quantity.reference), "query")
     failing = ~(error <= verdict.allowance) & verdict.judged
     empty = empty.expand(failing.shape)

@@ -627,8 +627,8 @@ def tiled_attention(
             which the online softmax keeps anyway (see
             `attention_ref.scaled_dot_product_attention`); gradients flow
             through it too.
-        sinks: ``(H,)`` learned sink logits, one per query head (see
-            `attention_ref.sinks`): added once, after the last key block, by
+        sinks: ``(H,)`` learned sink logits, one per query head, or one per
+            query broadcastable to ``(..., H, L)`` (see `attention_ref.sinks`): added once, after the last key block, by
             `attention_ref.add_sinks` (whose backward is the closed form, so
             no ``(L, S)`` tensor is formed for it either); ``lse`` then
             includes the sink.
@@ -665,7 +665,8 @@ def tiled_attention(
     check_positive_int("block_k", block_k)
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     if sinks is not None:
-        sinks = check_sinks(sinks, heads_of(_batch_shape(query, key, value, enable_gqa)), query)
+        batch = _batch_shape(query, key, value, enable_gqa)
+        sinks = check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                   block_q=block_q, block_k=block_k, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                   return_lse=return_lse, sinks=sinks)

@@ -434,7 +434,8 @@ def varlen_attention(
             `attention_ref.functional.scaled_dot_product_attention`.
         sinks: ``(H,)``, one learned logit per query head, the same for every
             sequence: ``exp(sinks[h])`` joins the softmax denominator of every
-            query row, never scaled (`attention_ref.sinks`). ``"math"``,
+            query row, never scaled (`attention_ref.sinks`); or one per packed
+            query, broadcastable to ``(H, total_q)``. ``"math"``,
             ``"tiled"`` and ``"auto"`` take it; ``"sdpa"`` and ``"triton"`` raise.
         return_lse: also return ``lse`` ``(H, total_q)``, the natural log of
             each query row's softmax denominator over its own sequence's keys
@@ -501,7 +502,7 @@ def varlen_attention(
             f"Hkv = {Hkv} (key dim 0)"
         )
     if sinks is not None:
-        check_sinks(sinks, H, query)  # one per query head (dim 0), shared by every sequence
+        check_sinks(sinks, H, query, rows=(H, total_q))  # per query head (dim 0), shared by every sequence, or per query
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (query.shape[1])", query.device)
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (key.shape[1])", query.device)
     _check_same_count(cu_q, cu_k)

@@ -101,6 +101,24 @@ def _sinks_case(group, world, layout, causal, gqa, seed=2):
     }
 
 
+def _per_query_sinks_case(group, world, layout="zigzag", seed=4):
+    """One sink per query (Inkling 2), (B, H, N), sharded like the queries: each rank's rows are its own."""
+    q, k, v, d_out = _inputs(world, True, seed)
+    sinks = torch.randn(B, H, N, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+    local = [shard(t, group=group, layout=layout).requires_grad_() for t in (q, k, v)]
+    mine = shard(sinks, dim=-1, group=group, layout=layout).requires_grad_()  # (B, H, N / world)
+    out = ring_attention(*local, is_causal=True, enable_gqa=True, group=group, layout=layout, sinks=mine)
+    out.backward(shard(d_out, group=group, layout=layout))
+    gathered = [unshard(t.detach(), group=group, layout=layout) for t in (out, *(x.grad for x in local))]
+    gathered.append(unshard(mine.grad, dim=-1, group=group, layout=layout))
+    full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    expected = scaled_dot_product_attention(*full[:3], is_causal=True, enable_gqa=True, sinks=full[3], backend="math")
+    expected_grads = torch.autograd.grad(expected, full, d_out)
+    return {"errors": [(a - b).abs().max().item() for a, b in zip(gathered, (expected.detach(), *expected_grads))],
+            "sinks_effect": (expected - scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+            .abs().max().item()}
+
+
 def _error_message(fn):
     try:
         fn()
@@ -166,6 +184,7 @@ def _cases_worker(rank, world_size):
         mine["bfloat16"] = _ring_case(group, world, "zigzag", True, True, torch.bfloat16, seed=1)
         for case in SINK_CASES:
             mine[("sinks", *case)] = _sinks_case(group, world, *case)
+        mine["sinks per query"] = _per_query_sinks_case(group, world)
         mine["layouts"] = _layouts_case(group, world, group_rank)
         mine["messages"] = _errors_case(group, world)
         results[world] = mine
@@ -302,6 +321,15 @@ def test_sinks_are_added_once_and_their_gradient_is_each_ranks_share(runs, world
     torch.testing.assert_close(sum(shares), expected, atol=1e-10, rtol=1e-10)  # summed once: by the caller
     if world > 1:  # a share, not the total: no rank all-reduced it
         assert all((share - expected).abs().max() > 1e-3 for share in shares)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_sink_per_query_is_sharded_with_the_queries(runs, world):
+    """Inkling 2's sinks (B, H, N): out, dq, dk, dv and dsinks, gathered, equal the dense path."""
+    for rank, mine in runs[world].items():
+        errors = mine["sinks per query"]["errors"]
+        assert max(errors) < 1e-10, f"rank {rank}: errors of out, dq, dk, dv, dsinks {errors}"
+        assert mine["sinks per query"]["sinks_effect"] > 1e-2
 
 
 # --- without processes ---------------------------------------------------------------------------

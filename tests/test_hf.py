@@ -237,6 +237,42 @@ def test_s_aux_is_the_sink_of_each_query_head():
     torch.testing.assert_close(no_sink, _eager(q, k, v, _causal_bias(7, 7))[0])
 
 
+def test_sinks_is_one_sink_per_query_as_inkling_2_passes_it():
+    """Inkling 2 passes sinks (B, H, L, 1), a column beside the scores, computed from each token."""
+    q, k, v = _qkv()
+    sinks = torch.randn(2, 4, 7, 1, generator=torch.Generator().manual_seed(1)) * 2
+    ours, weights = hf.attention_forward(Layer(), q, k, v, None, sinks=sinks, output_attentions=True)
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))  # (B, Hkv, S, _) -> (B, H, S, _)
+    scores = (q @ kk.transpose(-1, -2)) / 5**0.5 + _causal_bias(7, 7)
+    expected = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]  # Inkling 2's eager form
+    torch.testing.assert_close(weights, expected)
+    torch.testing.assert_close(ours, (expected @ vv).transpose(1, 2))
+    with pytest.raises(NotImplementedError, match=r"Layer \(layer_idx=3\) passed both s_aux .* and sinks"):
+        hf.attention_forward(Layer(), q, k, v, None, sinks=sinks, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"passed sinks of shape \(2, 4, 7\); expected a column beside the scores, "
+                       r"\(B, H, L, 1\)"):
+        hf.attention_forward(Layer(), q, k, v, None, sinks=sinks[..., 0])
+
+
+def test_block_indices_need_the_block_size_and_one_selection():
+    q, k, v = _qkv()
+    blocks = torch.tensor([[0, 2], [0, 1]]).repeat(4, 1)[:7].expand(2, 2, 7, 2)  # (B, Hkv, L, k)
+    with pytest.raises(NotImplementedError, match=r"passed block_indices but has no indexer.block_size"):
+        hf.attention_forward(Layer(), q, k, v, None, block_indices=blocks)
+    layer = Layer()
+    layer.indexer = torch.nn.Module()
+    layer.indexer.block_size = 2
+    with pytest.raises(NotImplementedError, match=r"passed both indices .* and block_indices"):
+        hf.attention_forward(layer, q, k, v, None, block_indices=blocks, indices=torch.zeros(2, 7, 2, dtype=torch.int))
+    with pytest.raises(ValueError, match=r"passed block_indices of shape \(2, 3, 7, 2\); expected \(B, H_index, L, k\)"):
+        hf.attention_forward(layer, q, k, v, None, block_indices=torch.zeros(2, 3, 7, 2, dtype=torch.long))
+    ours, weights = hf.attention_forward(layer, q, k, v, None, block_indices=blocks, output_attentions=True)
+    keep = torch.zeros(7, 7, dtype=torch.bool)
+    keep[0::2, 0:2] = keep[0::2, 4:6] = True  # rows of [0, 2]: blocks 0 and 2
+    keep[1::2, 0:4] = True  # rows of [0, 1]: blocks 0 and 1
+    torch.testing.assert_close(ours, _eager(q, k, v, _causal_bias(7, 7, keep))[0])
+
+
 @pytest.mark.parametrize("mask", ["bool", "float", "none"])
 def test_position_bias_is_added_with_the_mask(mask):
     q, k, v = _qkv(H=4, Hkv=4)
@@ -286,7 +322,7 @@ def test_indices_select_the_keys():
     hf.attention_forward(Layer(), q, k, v, None, indices=None)  # None: the dense path
 
 
-@pytest.mark.parametrize("name", ["cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx", "cache", "sinks"])
+@pytest.mark.parametrize("name", ["cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx", "cache"])
 def test_keywords_that_change_attention_raise_unless_none(name):
     q, k, v = _qkv()
     with pytest.raises(NotImplementedError, match=rf"passed {name}=\.\.\., which changes attention"):

@@ -44,7 +44,8 @@ def _oracle(q, k, v, sinks, keep=None, softcap=None):
         s = softcap * torch.tanh(s / softcap)
     if keep is not None:
         s = s.masked_fill(~keep, NEG_INF)
-    column = sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)  # (B, H, L, 1): not scaled, not capped
+    # (H,) -> (1, H, 1, 1), or one per query (B, H, L) -> (B, H, L, 1): not scaled, not capped
+    column = (sinks.view(1, -1, 1, 1) if sinks.dim() == 1 else sinks.unsqueeze(-1)).expand(*s.shape[:-1], 1)
     both = torch.cat([s, column], dim=-1)
     weights = torch.softmax(both, dim=-1)[..., :-1]
     return weights @ v, weights, torch.logsumexp(both, dim=-1)
@@ -236,3 +237,85 @@ def test_bad_sinks_are_refused_by_name(sinks, error, match):
             call()
     with pytest.raises(ValueError, match=r"lse must have out's shape without its last dim"):
         add_sinks(torch.zeros(B, H, L, EV), torch.zeros(B, H, L + 1), torch.zeros(H))
+
+
+# ---- one sink per query (Inkling 2: computed from each token's hidden state) --------------------------
+
+
+def _per_query(sinks, seed=5):
+    """(B, H, L) sinks, a leaf, in sinks' dtype and device."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, L, generator=g, dtype=torch.float64) * 2).to(sinks).detach().requires_grad_()
+
+
+@pytest.mark.parametrize("backend", ["math", "tiled"])
+@pytest.mark.parametrize("kind", ["none", "causal", "empty rows"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_one_sink_per_query_equals_the_appended_column_with_gradients(backend, kind, gqa, device):
+    q, k, v, per_head = _inputs(heads=(H, HKV) if gqa else (H, H), device=device)
+    sinks = _per_query(per_head)
+    keep = _keep(kind, device)
+    out, lse = scaled_dot_product_attention(q, k, v, keep, sinks=sinks, return_lse=True, backend=backend,
+                                            enable_gqa=gqa)
+    ref, ref_weights, ref_lse = _oracle(q, k, v, sinks, keep)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(attention_weights(q, k, keep, sinks=sinks, enable_gqa=gqa), ref_weights,
+                               atol=1e-12, rtol=1e-10)
+    grads = torch.autograd.grad(_loss(out, lse), (q, k, v, sinks))
+    ref_grads = torch.autograd.grad(_loss(ref, ref_lse), (q, k, v, sinks))
+    assert grads[3].shape == (B, H, L)  # one gradient per query's sink
+    for name, g, r in zip("q k v sinks".split(), grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-9, msg=lambda m, name=name: f"d{name}: {m}")
+    per_row = _oracle(q, k, v, per_head, keep)[0]  # the sinks matter: not the per-head result
+    assert (out - per_row).abs().max() > 1e-2
+
+
+def test_sinks_broadcast_to_the_rows():
+    """(H, 1) and (1, H, 1) are one per head, as (H,); (1, 1, L) is one per query position, shared by heads."""
+    q, k, v, per_head = _inputs()
+    expected = scaled_dot_product_attention(q, k, v, sinks=per_head)
+    for shape in ((H, 1), (1, H, 1)):
+        for backend in ("math", "tiled"):
+            torch.testing.assert_close(scaled_dot_product_attention(q, k, v, sinks=per_head.reshape(shape),
+                                                                    backend=backend), expected)
+    by_position = torch.randn(1, 1, L, dtype=torch.float64)
+    ref = _oracle(q, k, v, by_position.expand(B, H, L))[0]
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, sinks=by_position, backend="tiled"), ref)
+
+
+def test_add_sinks_kv_cache_and_varlen_take_one_sink_per_query():
+    from attention_ref.kv_cache import attention_with_kv_cache
+    from attention_ref.varlen import varlen_attention
+
+    q, k, v, per_head = _inputs(heads=(H, HKV))
+    sinks = _per_query(per_head)
+    ref = _oracle(q, k, v, sinks)[0]
+    out, lse = scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(add_sinks(out, lse, sinks)[0], ref)
+    # a cache of S keys per sequence, all valid: the L new queries are its last L positions
+    cached = attention_with_kv_cache(q, k, v, torch.full((B,), S, dtype=torch.int32), sinks=sinks)
+    torch.testing.assert_close(cached, ref)
+    # the batch packed: (H, B * L, E) queries, each sequence's sinks beside its queries
+    packed = [t.transpose(0, 1).reshape(t.shape[1], -1, t.shape[-1]) for t in (q, k, v)]  # (B, H, n, E) -> (H, B n, E)
+    cu_q, cu_k = (torch.arange(0, B * n + 1, n, dtype=torch.int32) for n in (L, S))
+    out = varlen_attention(*packed, cu_q, cu_k, sinks=sinks.transpose(0, 1).reshape(H, B * L))  # (B, H, L) -> (H, B L)
+    torch.testing.assert_close(out, ref.transpose(0, 1).reshape(H, B * L, EV))
+
+
+def test_one_sink_per_query_that_does_not_fit_the_rows_is_refused_by_name():
+    q, k, v, _ = _inputs()
+    for sinks, rows in ((torch.zeros(3, H, L, dtype=torch.float64), r"\(2, 4, 7\)"),
+                        (torch.zeros(B, H, L + 1, dtype=torch.float64), r"\(2, 4, 7\)"),
+                        (torch.zeros(1, B, H, L, dtype=torch.float64), r"\(2, 4, 7\)")):
+        for call in (lambda: scaled_dot_product_attention(q, k, v, sinks=sinks),
+                     lambda: scaled_dot_product_attention(q, k, v, sinks=sinks, backend="tiled"),
+                     lambda: add_sinks(torch.zeros(B, H, L, EV, dtype=torch.float64),
+                                       torch.zeros(B, H, L, dtype=torch.float64), sinks)):
+            with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(4,\), one logit per query "
+                               r"head, or broadcast to the rows \(\.\.\., H, L\) = " + rows):
+                call()
+    bad = torch.zeros(B, H, L, dtype=torch.float64)
+    bad[1, 2, 3] = math.nan
+    with pytest.raises(ValueError, match=r"finite logits or -inf \(no sink for that query\)"):
+        scaled_dot_product_attention(q, k, v, sinks=bad)

@@ -514,3 +514,41 @@ def test_checker_errors_have_messages():
         assert_topk_close(right.float(), scores)
     with pytest.raises(TypeError, match=r"scores must be a floating-point tensor, got torch.int64"):
         assert_topk_close(right, scores.long())
+
+
+# ---- block top-k (MiniMax-M3): the keys of the listed blocks -----------------------------------------
+
+
+def test_block_topk_is_topk_over_the_keys_of_the_listed_blocks():
+    """Blocks of 3 keys over S = 11 (the last block holds 2): against a mask built key by key."""
+    from attention_ref.sparse import block_topk_attention, block_topk_indices
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64) for n in (5, 11, 11))
+    blocks = torch.tensor([[0, 3], [2, -1], [-1, -1], [1, 0], [3, 2]])  # (L, k): block 3 is keys 9, 10
+    keep = torch.zeros(5, 11, dtype=torch.bool)
+    for i, row in enumerate(blocks.tolist()):
+        for b in row:
+            if b >= 0:
+                keep[i, 3 * b:min(3 * b + 3, 11)] = True
+    assert block_topk_indices(blocks, 3, 11)[0].tolist() == [0, 1, 2, 9, 10, -1]
+    out = block_topk_attention(q, k, v, blocks, 3, is_causal=False)
+    torch.testing.assert_close(out, scaled_dot_product_attention(q, k, v, keep))
+    assert out[:, :, 2].abs().max() == 0  # a row with no block: output 0, as a fully masked row
+    causal = block_topk_attention(q, k, v, blocks, 3, causal_mask(5, 11, alignment="bottom_right"))
+    torch.testing.assert_close(causal, scaled_dot_product_attention(
+        q, k, v, keep & causal_mask(5, 11, alignment="bottom_right")))
+
+
+def test_block_topk_names_a_bad_block():
+    from attention_ref.sparse import block_topk_indices
+
+    with pytest.raises(ValueError, match=r"block_indices must hold block positions in \[0, n\) = \[0, 4\), "
+                       r"or -1 for no block; got 4 at block_indices\[1, 0\]"):
+        block_topk_indices(torch.tensor([[0, 1], [4, -1]]), 3, 11)
+    with pytest.raises(ValueError, match=r"block_indices must list each block at most once .* block 2 appears"):
+        block_topk_indices(torch.tensor([[2, 2]]), 3, 11)
+    with pytest.raises(TypeError, match=r"block_indices must be a signed integer tensor"):
+        block_topk_indices(torch.tensor([[0.0]]), 3, 11)
+    with pytest.raises(ValueError, match=r"block_size"):
+        block_topk_indices(torch.tensor([[0]]), 0, 11)

@@ -735,7 +735,7 @@ def test_sinks_the_baseline_is_plain_sink_attention_and_dsinks_is_judged():
     wrong = grads[3].clone()
     wrong[1] *= 1.05  # float16's own error on dsinks, a sum over every query, is ~1.5%
     with pytest.raises(AssertionError, match=r"1 of 6 quantities out of bounds[\s\S]*\n  dsinks:\n[\s\S]*"
-                                             r"worst position \(1,\)[\s\S]*1 of 3 heads out of bounds"):
+                                             r"worst position \(1,\)[\s\S]*1 of 3 sinks out of bounds"):
         assert_attention_close(out.detach(), q, k, v, is_causal=True, sinks=sinks, grad_output=grad_output,
                                actual_grads=(*grads[:3], wrong), actual_lse=lse.detach())
     ignored = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # a kernel that drops the sinks
@@ -1109,3 +1109,31 @@ def test_a_failure_on_exactly_the_rows_no_key_takes_part_in_says_so():
     with pytest.raises(AssertionError) as error:
         assert_attention_close(averaged, q, k, v, attn_mask=allowed)
     assert "no key takes part in" not in str(error.value)
+
+
+def test_one_sink_per_query_is_judged_entry_by_entry():
+    """Inkling 2's sinks (B, H, L): a right float16 kernel passes, a sink 5% off and a dsinks 5% off fail."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 16, generator=g).half()
+    k, v = (torch.randn(2, 2, 11, 16, generator=g).half() for _ in range(2))
+    sinks, grad_output = torch.randn(2, 4, 9, generator=g).half(), torch.randn(2, 4, 9, 16, generator=g).half()
+
+    def kernel(q, k, v, sinks):  # float32 inside, the sink appended as a column
+        k, v = (t.float().repeat_interleave(2, 1) for t in (k, v))
+        scores = (q.float() @ k.transpose(-1, -2)) / 4
+        return (torch.cat([scores, sinks.float().unsqueeze(-1)], -1).softmax(-1)[..., :-1] @ v).half()
+
+    def run(sink_factor=1.0, grad_factor=1.0):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = kernel(*leaves[:3], leaves[3] * sink_factor)
+        grads = list(torch.autograd.grad(out, leaves, grad_output))
+        grads[3] = grads[3] * grad_factor
+        assert grads[3].shape == (2, 4, 9)
+        return assert_attention_close(out.detach(), q, k, v, grad_output=grad_output, actual_grads=grads,
+                                      sinks=sinks, enable_gqa=True)
+
+    assert str(run()) == "passed (output, dq, dk, dv, dsinks; bound='row')"
+    with pytest.raises(AssertionError, match=r"\n  output:\n"):
+        run(sink_factor=1.05)
+    with pytest.raises(AssertionError, match=r"1 of 5 quantities[\s\S]*  dsinks:\n[\s\S]* of 72 sinks out of bounds"):
+        run(grad_factor=1.05)
