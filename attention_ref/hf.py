@@ -126,6 +126,8 @@ HARMLESS_KEYWORDS: dict[str, str] = {
     "num_items_in_batch": "the loss's normaliser, not used by attention",
     "deterministic": "FlashAttention's choice of a backward without atomic adds (ModernBERT passes it): the "
     "same numbers up to the order of a sum; attention_ref's backward is deterministic anyway",
+    "labels": "the loss's targets, threaded through **kwargs by Gemma 4's forward: not read by attention",
+    "logits_to_keep": "which positions' logits the model returns (GOT-OCR2 threads it through): not attention's",
 }
 
 # Keywords that change attention and that this module does not implement: accepted only as None.
@@ -136,6 +138,10 @@ _REFUSED = {
     "max_length_k": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
     "seq_idx": "packed variable-length sequences: attention_ref.hf reads packing only from the mask",
     "cache": "a paged cache (continuous batching), which the attention function must update itself",
+    "cross_attention_mask": "a mask for cross-attention (BLT, Mllama thread it through **kwargs): attention_ref.hf "
+    "reads masks only from attention_mask",
+    "full_text_row_masked_out_mask": "rows of a cross-attention masked out (BLT, Mllama): attention_ref.hf reads "
+    "masks only from attention_mask",
 }
 
 _recording = threading.local()

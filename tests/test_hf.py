@@ -322,7 +322,8 @@ def test_indices_select_the_keys():
     hf.attention_forward(Layer(), q, k, v, None, indices=None)  # None: the dense path
 
 
-@pytest.mark.parametrize("name", ["cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx", "cache"])
+@pytest.mark.parametrize("name", ["cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx", "cache",
+                                  "cross_attention_mask", "full_text_row_masked_out_mask"])
 def test_keywords_that_change_attention_raise_unless_none(name):
     q, k, v = _qkv()
     with pytest.raises(NotImplementedError, match=rf"passed {name}=\.\.\., which changes attention"):

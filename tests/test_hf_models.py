@@ -385,10 +385,15 @@ def test_every_decoder_equals_eager_or_refuses():
     transformers.AttentionMaskInterface.register(name, transformers.AttentionMaskInterface()[NAME])
     outcomes: dict[str, tuple[str, str]] = {}
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' deprecation notices while building old architectures
-        for model_type, class_name in sorted(_decoders().items()):
-            outcomes[model_type] = _sweep_one(model_type, class_name, counting, name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: on a busy 2-core machine two threads took 91 s, one 10 s
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers' deprecation notices while building old architectures
+            for model_type, class_name in sorted(_decoders().items()):
+                outcomes[model_type] = _sweep_one(model_type, class_name, counting, name)
+    finally:
+        torch.set_num_threads(threads)
     for model_type, (outcome, detail) in outcomes.items():
         print(f"{model_type:28} {outcome:13} {detail}")
     counts = {o: sum(1 for v in outcomes.values() if v[0] == o) for o in {v[0] for v in outcomes.values()}}
