@@ -1137,3 +1137,22 @@ def test_one_sink_per_query_is_judged_entry_by_entry():
         run(sink_factor=1.05)
     with pytest.raises(AssertionError, match=r"1 of 5 quantities[\s\S]*  dsinks:\n[\s\S]* of 72 sinks out of bounds"):
         run(grad_factor=1.05)
+
+
+def test_the_right_kernels_benchmark_writes_its_counts_with_provenance(tmp_path):
+    """benchmarks/checker_right_kernels.py (its committed result is on the conformance page), on 2 seeds."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "checker_right_kernels.py"
+    spec = importlib.util.spec_from_file_location("checker_right_kernels", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "counts.json"
+    assert script.main(["--seeds", "2", "--out", str(out)]) == 0
+    import json
+
+    record = json.loads(out.read_text())
+    assert record["provenance"]["command"] == f"python benchmarks/checker_right_kernels.py --seeds 2 --out {out}"
+    assert record["results"]["float16"]["seeds"] == 2
+    assert record["results"]["bfloat16"]["right kernels failed on seeds"] == {kernel: [] for kernel in script.RIGHT}
