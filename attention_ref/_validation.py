@@ -86,6 +86,19 @@ DENSE_LIMIT_ENV = "ATTENTION_REF_MAX_DENSE_BYTES"
 DENSE_COPIES = 3
 
 
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device`` (``None``: the CPU); a ValueError naming ``name`` if torch cannot read it."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+                        f"got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{name} must be a device such as 'cpu', 'cuda' or 'cuda:0', got {device!r}") from None
+
+
 def dense_limit(device: torch.device) -> int:
     """The most bytes a dense ``(..., L, S)`` computation may take on ``device``: the value of
     ``ATTENTION_REF_MAX_DENSE_BYTES`` if set, else half the device's memory (the machine's

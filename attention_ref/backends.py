@@ -481,6 +481,10 @@ def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.T
     if backend == "sdpa":
         if call.mask_mod is not None:  # materialised: a boolean (..., L, S) mask, combined with attn_mask
             batch = _batch_shape(query, key, value, call.enable_gqa)
+            # at least (L, S) bools, and torch's kernels may make an additive float copy of it
+            _inputs.check_dense("backend='sdpa' with a mask_mod", (query.shape[-2], key.shape[-2]), torch.float32,
+                                query.device, copies=2, noun="the mask_mod's (L, S) mask",
+                                instead="backend='tiled' evaluates the mod block by block, never forming (L, S)")
             keep = mods.apply_mask_mod(call.mask_mod, batch, query.shape[-2], key.shape[-2], query.device)
             mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool
                                               else mask.masked_fill(~keep, float("-inf")))

@@ -288,6 +288,9 @@ def kv_cache_bytes(layers: Iterable[tuple[int, int | None]], context: int) -> in
         9216
     """
     check_positive_int("context", context, allow_zero=True)
+    if isinstance(layers, (int, float, str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers must be an iterable of (bytes_per_token, window) pairs, one per layer, "
+                        f"got {type(layers).__name__} {layers!r}")
     total = 0
     for index, layer in enumerate(layers):
         if not (isinstance(layer, tuple) and len(layer) == 2):

@@ -93,7 +93,10 @@ def _sink_scores(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tens
     """The sinks as one more score per row, ``(..., H, L, 1)`` beside ``scores`` ``(..., H, L, S)``; or None."""
     if sinks is None:
         return None
-    column = sink_column(sinks, scores).unsqueeze(-1)  # (H,) -> (H, 1, 1); one per query: (..., H, L, 1)
+    column = sink_column(sinks, scores)  # (H,) -> (H, 1); one per query: (..., H, L)
+    if sinks.dim() == 1 and scores.dim() < 3:  # scores (L, S), no head dim: the one sink (1,) of every row
+        column = column.reshape(1)
+    column = column.unsqueeze(-1)  # (H, 1, 1) or (..., H, L, 1) or (1, 1)
     return column.expand(*scores.shape[:-1], 1)  # (..., H, L, 1)
 
 

@@ -330,6 +330,11 @@ def attention_forward(
             cannot place; the message names the keyword, the layer's class and
             its ``layer_idx``.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"module must be the transformers attention layer (a torch.nn.Module: its is_causal, training and "
+            f"layer_idx are read), got {type(module).__name__}"
+        )
     _check_keywords(module, kwargs)
     L, S = query.shape[-2], key.shape[-2]
     layer_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)

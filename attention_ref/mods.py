@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from attention_ref._validation import check_dense, check_positive_int, fmt_shape, require_tensor
+from attention_ref._validation import check_dense, check_device, check_positive_int, fmt_shape, require_tensor
 
 __all__ = [
     "alibi",
@@ -992,7 +992,8 @@ def create_mask(
     H = 1 if H is None else check_positive_int("H", H, allow_zero=True)
     check_positive_int("L", L, allow_zero=True)
     check_positive_int("S", S, allow_zero=True)
-    check_dense("create_mask", (B, H, L, S), torch.bool, torch.device(device or "cpu"), copies=1,
+    device = check_device("device", device)
+    check_dense("create_mask", (B, H, L, S), torch.bool, device, copies=1,
                         noun="the (B, H, L, S) mask", instead="tiled.create_block_mask keeps one kind per block instead")
     keep = apply_mask_mod(mask_mod, (B, H), L, S, device)
     return keep.expand(B, H, L, S).clone()

@@ -112,6 +112,8 @@ def _broadcasts_to(shape: torch.Size, rows: tuple[int, ...]) -> bool:
 
 
 def _finite_or_minus_inf(sinks: torch.Tensor, name: str, per: str) -> torch.Tensor:
+    if sinks.is_meta:  # no values to check (shapes only)
+        return sinks
     bad = torch.isnan(sinks) | (sinks == float("inf"))
     if bool(bad.any()):
         shown = sinks.tolist() if sinks.numel() <= 16 else f"{int(bad.sum())} NaN or +inf entries"

@@ -75,11 +75,14 @@ keys, ``E`` query/key size, ``Ev`` value size, ``k`` keys listed per query.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attention_ref import _inputs
 from attention_ref import mods as _mods
 from attention_ref._validation import (
+    check_dense,
     check_positive_int,
     check_scale,
     fmt_shape,
@@ -124,6 +127,8 @@ def _check_indices(indices: object, S: int, name: str = "indices", unit: str = "
             f"{fmt_shape(indices.shape)}"
         )
     shape = tuple(indices.shape)
+    if indices.is_meta:  # no values to check (shapes only)
+        return indices
     bad = (indices < NO_KEY) | (indices >= S)
     if bool(bad.any()):
         flat = int(bad.flatten().nonzero()[0])
@@ -178,6 +183,9 @@ def topk_mask(indices: torch.Tensor, S: int) -> torch.Tensor:
     """
     S = check_positive_int("S", S, allow_zero=True)
     indices = _check_indices(indices, S)
+    check_dense("topk_mask", (*indices.shape[:-1], S + 1), torch.bool, indices.device, copies=1,
+                noun="the (..., L, S) selection mask", instead="it is formed whatever the backend: select for "
+                "fewer queries at a time (a slice of the L rows of indices and of the query)")
     slots = torch.where(indices == NO_KEY, S, indices).long()  # (..., L, k): -1 -> the dummy column S
     keep = torch.zeros(*indices.shape[:-1], S + 1, dtype=torch.bool, device=indices.device)  # (..., L, S + 1)
     keep.scatter_(-1, slots, True)
@@ -197,7 +205,7 @@ def _selected_keys(keep: torch.Tensor, batch: tuple[int, ...]) -> _mods.MaskMod:
     shared_front = all(d == 1 for d in lead[:-1])
     if not shared_front:  # one selection per batch entry: the front dims in full, flattened as b is
         keep = keep.reshape(*lead, L, S).expand(*batch[:-1], heads, L, S)
-    front = 1 if shared_front else keep[..., 0, 0].numel() // heads
+    front = 1 if shared_front else math.prod(batch[:-1])  # not read off keep: L or S may be 0
     table = keep.reshape(front, heads, L, S)  # (Bk, Hk, L, S)
 
     def selected_keys_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,

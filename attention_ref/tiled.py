@@ -690,6 +690,9 @@ def _tiled(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The tiled path on validated inputs (the dispatcher's entry point; mods and sinks checked)."""
+    if query.is_meta:
+        raise ValueError("backend='tiled' cannot run on meta tensors: its online softmax reads the values (which "
+                         "rows are empty, which blocks to skip); backend='math' gives the shapes on meta")
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2:]
     H = query.shape[-3] if enable_gqa else 1

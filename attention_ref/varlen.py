@@ -99,6 +99,9 @@ def _check_cu_seqlens(
         raise ValueError(f"{name} must be on the same device as query ({device}), got {cu.device}")
     if cu.numel() == 0:
         raise ValueError(f"{name} must hold n + 1 >= 1 offsets starting at 0, got an empty tensor")
+    if cu.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds no values: the sequences' lengths are read "
+                         "from it (the mask depends on them); give it on the CPU or the query's device")
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {values[0]} ({_short(values)})")

@@ -22,7 +22,7 @@ from attention_ref import (
     scaled_dot_product_attention,
     to_additive,
 )
-from attention_ref import complexity
+from attention_ref import complexity, mods
 
 L, S, E, EV = 5, 7, 11, 13
 
@@ -439,3 +439,67 @@ def test_masks_caches_and_quadratic_forms_are_estimated_before_allocating(monkey
     with pytest.raises(ValueError, match=r"the quadratic form: .* mode='recurrent' keeps a fixed state"):
         linear.gated_linear_attention(x, x, x, g, mode="quadratic")
     assert linear.gated_linear_attention(x, x, x, g)[0].shape == (1, 200, 2, 8)  # the recurrence: no L x L
+
+
+# ---- issue 39, the rest: no heads dim, meta tensors, dense masks outside the core, messages ----------------
+
+
+def test_sinks_on_inputs_without_a_heads_dim_are_the_one_sink_of_every_row():
+    from attention_ref import scaled_dot_product_attention as sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 8, generator=g, dtype=torch.float64) for n in (4, 5, 5))
+    sink = torch.tensor([0.7], dtype=torch.float64)
+    expected = sdpa(q[None], k[None], v[None], sinks=sink)[0]  # the same with a head dim of 1
+    for backend in ("math", "tiled"):
+        torch.testing.assert_close(sdpa(q, k, v, sinks=sink, backend=backend), expected)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(1,\)"):
+        sdpa(q, k, v, sinks=torch.zeros(2, dtype=torch.float64))
+
+
+def test_meta_tensors_give_shapes_or_say_why_not():
+    from attention_ref import scaled_dot_product_attention as sdpa
+    from attention_ref.sparse import topk_attention
+    from attention_ref.varlen import varlen_attention
+
+    q, k = torch.empty(1, 2, 4, 8, device="meta"), torch.empty(1, 2, 5, 8, device="meta")
+    assert sdpa(q, k, k, sinks=torch.empty(2, device="meta")).shape == (1, 2, 4, 8)
+    indices = torch.empty(1, 1, 4, 2, dtype=torch.long, device="meta")
+    assert topk_attention(q, k, k, indices).shape == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"backend='tiled' cannot run on meta tensors: .* backend='math' gives"):
+        sdpa(q, k, k, backend="tiled")
+    packed = [torch.empty(2, n, 8, device="meta") for n in (4, 5, 5)]
+    offsets = [torch.tensor([0, n], dtype=torch.int32, device="meta") for n in (4, 5)]
+    with pytest.raises(ValueError, match=r"cu_seqlens_q is on the meta device, which holds no values"):
+        varlen_attention(*packed, *offsets)
+
+
+def test_dense_masks_outside_the_core_are_estimated_first(monkeypatch):
+    from attention_ref import scaled_dot_product_attention as sdpa
+    from attention_ref.sparse import topk_mask
+
+    monkeypatch.setenv("ATTENTION_REF_MAX_DENSE_BYTES", str(2**20))  # 1 MiB
+    q = torch.zeros(1, 1, 512, 4)
+    with pytest.raises(ValueError, match=r"backend='sdpa' with a mask_mod: the mask_mod's \(L, S\) mask \(512, 512\) "
+                       r"in torch.float32 would take 2.0 MiB .* backend='tiled' evaluates the mod block by block"):
+        sdpa(q, q, q, mask_mod=mods.causal(), backend="sdpa")
+    assert sdpa(q, q, q, mask_mod=mods.causal(), backend="tiled").shape == (1, 1, 512, 4)
+    indices = torch.stack([torch.arange(1024), torch.arange(1024).flip(0)], -1)  # (L, k) = (1024, 2)
+    with pytest.raises(ValueError, match=r"topk_mask: the \(\.\.\., L, S\) selection mask \(1024, 1025\) in torch.bool"):
+        topk_mask(indices, 1024)
+
+
+def test_messages_name_the_argument():
+    from attention_ref import hf
+
+    with pytest.raises(TypeError, match=r"layers must be an iterable of \(bytes_per_token, window\) pairs, one per "
+                       r"layer, got int 5"):
+        complexity.kv_cache_bytes(5, 10)
+    with pytest.raises(ValueError, match=r"device must be a device such as 'cpu', 'cuda' or 'cuda:0', got 'nope'"):
+        causal_mask(3, 3, device="nope")
+    with pytest.raises(TypeError, match=r"device must be a torch.device or a device string .* got list"):
+        causal_mask(3, 3, device=["cpu"])
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"module must be the transformers attention layer \(a torch.nn.Module.*"
+                       r"got NoneType"):
+        hf.attention_forward(None, q, q, q, None)

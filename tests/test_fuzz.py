@@ -3,8 +3,9 @@ and each call must either compute, finite wherever the reference is, the same on
 raise a ValueError / TypeError that names an argument. Never NaN from finite input, never another
 exception type (ZeroDivisionError, a reshape error from deep inside).
 
-The default tier draws a few dozen examples per test; ``ATTENTION_REF_SLOW_TESTS=1`` draws 20 times
-as many (the slow tier).
+The default tier draws 150 examples per test (about 3 s in all); ``ATTENTION_REF_SLOW_TESTS=1`` draws
+2,000 (the slow tier, about 30 s). Beyond the core: top-k, varlen and the KV cache against their
+definitions, one sink per query, merges and mods.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attention_ref import linear, merge_attention, mods, scaled_dot_product_attention
+from attention_ref.kv_cache import attention_with_kv_cache
+from attention_ref.sparse import topk_attention
+from attention_ref.varlen import varlen_attention
 
 SLOW = bool(os.environ.get("ATTENTION_REF_SLOW_TESTS"))
-FUZZ = settings(max_examples=600 if SLOW else 30, deadline=None,
+FUZZ = settings(max_examples=2000 if SLOW else 150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 NAMED = re.compile(r"\b(query|key|value|attn_mask|is_causal|scale|enable_gqa|sinks|mask_mod|score_mod|"
                    r"dropout_p|backend|block_mask|return_weights|return_lse|q|k|v|g|beta|indices)\b")
@@ -53,8 +57,9 @@ def attention_inputs(draw):
     kwargs = {"attn_mask": mask, "is_causal": draw(st.booleans()) and mask is None}
     if draw(st.booleans()):
         kwargs["scale"] = draw(st.sampled_from([0.5, 2.0, 1e-6, 1e6]))
-    if draw(st.booleans()):
-        kwargs["sinks"] = torch.randn(H, generator=g, dtype=dtype) * draw(st.sampled_from([0.0, 1.0, 10.0]))
+    if draw(st.booleans()):  # one sink per head, or one per query (Inkling 2)
+        shape = draw(st.sampled_from([(H,), (B, H, L)]))
+        kwargs["sinks"] = torch.randn(shape, generator=g, dtype=dtype) * draw(st.sampled_from([0.0, 1.0, 10.0]))
     if draw(st.booleans()) and not kwargs["is_causal"]:
         kwargs["mask_mod"] = mods.sliding_window(draw(st.integers(0, 4)), sink_tokens=draw(st.integers(0, 2)))
     return q, k, v, kwargs
@@ -138,3 +143,78 @@ def test_mods_compute_or_name_any_int(value, which):
                 "window": (kv_idx <= q_idx) & (kv_idx >= q_idx - value),
                 "prefix": (kv_idx < 3) | (kv_idx <= q_idx + value)}[which]
     assert torch.equal(mask, expected)
+
+
+@FUZZ
+@given(st.integers(1, 3), st.integers(0, 6), st.integers(0, 8), st.integers(1, 4), st.booleans(), st.integers(0, 2**16))
+def test_topk_is_dense_attention_over_the_listed_keys_or_a_named_error(H, L, S, k, causal, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, H, L, 4, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(2, H, S, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    indices = torch.randint(-1, max(S, 1), (2, 1, L, k), generator=g)  # -1 = no key; repeats possible
+    try:
+        out = topk_attention(q, key, value, indices, is_causal=causal)
+    except (ValueError, TypeError) as error:
+        assert "indices" in str(error) and ("more than once" in str(error) or S == 0), error
+        return
+    keep = torch.zeros(2, 1, L, S + 1, dtype=torch.bool)
+    keep.scatter_(-1, torch.where(indices < 0, S, indices), True)  # the listed keys, by hand
+    mask = keep[..., :S] & (torch.ones(L, S, dtype=torch.bool).tril() if causal else True)
+    torch.testing.assert_close(out, scaled_dot_product_attention(q, key, value, mask), rtol=1e-12, atol=1e-12)
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=4), st.booleans(),
+       st.sampled_from(["math", "tiled"]), st.booleans(), st.integers(0, 2**16))
+def test_varlen_is_each_sequence_alone(lengths, causal, backend, per_query_sinks, seed):
+    g = torch.Generator().manual_seed(seed)
+    total_q, total_k = sum(n for n, _ in lengths), sum(m for _, m in lengths)
+    q = torch.randn(2, total_q, 4, generator=g, dtype=torch.float64)  # (H, total_q, E)
+    k, v = (torch.randn(1, total_k, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn((2, total_q) if per_query_sinks else (2,), generator=g, dtype=torch.float64)
+    cu_q = torch.tensor([0] + [sum(n for n, _ in lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [sum(m for _, m in lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
+    try:
+        out = varlen_attention(q, k, v, cu_q, cu_k, is_causal=causal, backend=backend, sinks=sinks)
+    except (ValueError, TypeError) as error:
+        assert causal and any(n > m for n, m in lengths) or "cu_seqlens" in str(error), error
+        return
+    for s in range(len(lengths)):
+        rows, keys = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        causal_mod = mods.causal(offset=m - n) if causal else None
+        alone = scaled_dot_product_attention(q[:, rows], k[:, keys], v[:, keys], enable_gqa=True, mask_mod=causal_mod,
+                                             sinks=sinks[:, rows] if per_query_sinks else sinks)
+        torch.testing.assert_close(out[:, rows], alone, rtol=1e-10, atol=1e-10)
+
+
+@FUZZ
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.booleans(), st.booleans(), st.integers(0, 2**16))
+def test_kv_cache_is_each_sequence_alone(B, Lq, block_size, paged, causal, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(Lq, Lq + 7, (B,), generator=g, dtype=torch.int32)  # each holds its Lq new tokens
+    S_max = int(lengths.max())
+    q = torch.randn(B, 4, Lq, 4, generator=g, dtype=torch.float64)  # H = 4 over Hkv = 2
+    keys, values = (torch.randn(B, 2, S_max, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    options = {"is_causal": causal}
+    if paged:  # the same keys in a shuffled pool of blocks
+        n = -(-S_max // block_size)
+        pool_k = keys.new_zeros(B * n, 2, block_size, 4)
+        pool_v = torch.zeros_like(pool_k)
+        order = torch.randperm(B * n, generator=g)
+        table = order.reshape(B, n).to(torch.int32)
+        padded_k = torch.nn.functional.pad(keys, (0, 0, 0, n * block_size - S_max))
+        padded_v = torch.nn.functional.pad(values, (0, 0, 0, n * block_size - S_max))
+        for b in range(B):
+            for j in range(n):
+                pool_k[table[b, j]] = padded_k[b, :, j * block_size:(j + 1) * block_size]
+                pool_v[table[b, j]] = padded_v[b, :, j * block_size:(j + 1) * block_size]
+        out = attention_with_kv_cache(q, pool_k, pool_v, lengths, block_table=table, **options)
+    else:
+        out = attention_with_kv_cache(q, keys, values, lengths, **options)
+    for b in range(B):
+        m = int(lengths[b])
+        causal_mod = mods.causal(offset=m - Lq) if causal else None
+        alone = scaled_dot_product_attention(q[b], keys[b, :, :m], values[b, :, :m], enable_gqa=True,
+                                             mask_mod=causal_mod)
+        torch.testing.assert_close(out[b], alone, rtol=1e-10, atol=1e-10)
