@@ -162,7 +162,7 @@ def _check_like(name: str, value: object, shape: tuple[int, ...], layout: str, r
 
 
 def _check_log_gate(name: str, g: torch.Tensor) -> None:
-    if g.numel() and bool((g > 0).any()):
+    if g.numel() and not g.is_meta and bool((g > 0).any()):  # meta: shapes only, no values
         raise ValueError(
             f"{name} is the log of the decay and must be <= 0, got a maximum of {g.max().item():.4g}; "
             f"a decay alpha in (0, 1] given in linear space converts with torch.log(alpha)"
@@ -351,7 +351,7 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
     # (..., C, C, 1 or E): from the differences of gamma while the chunk's log decay is moderate (it is
     # monotone, so its last row is its least); else segment by segment: past -1e3 the difference of two
     # large gammas loses the small gates between them (-1e38 + g - (-1e38) = 0), and -inf - -inf is NaN
-    moderate = bool((gamma[..., -1:, :] >= _DIFFERENCE_FLOOR).all())
+    moderate = gamma.is_meta or bool((gamma[..., -1:, :] >= _DIFFERENCE_FLOOR).all())  # meta: either form's shapes
     decay = _decay(gamma) if moderate else _segment_decay(g)
     scores = _decayed_scores(q, k, decay, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
     # the UT system: A = I + strictly_lower(diag(beta) K K^T * D); the inverse reads only that part
@@ -935,9 +935,9 @@ def ssd(
     _check_mode(mode, ("quadratic", "recurrent"))
     if D is not None:
         D = _check_like("D", D, (H,), "(H,)", x)
-    if dt.numel() and bool((dt < 0).any()):
+    if dt.numel() and not dt.is_meta and bool((dt < 0).any()):
         raise ValueError(f"dt must be >= 0, got a minimum of {dt.min().item():.4g}")
-    if bool((A > 0).any()):
+    if not A.is_meta and bool((A > 0).any()):
         raise ValueError(f"A must be <= 0 (A = -exp(A_log)), got a maximum of {A.max().item():.4g}")
     v = x * dt[..., None]  # (batch, L, H, P): the value written is dt * x
     g = dt * A  # (batch, L, H): log decay

@@ -472,6 +472,13 @@ def test_meta_tensors_give_shapes_or_say_why_not():
     offsets = [torch.tensor([0, n], dtype=torch.int32, device="meta") for n in (4, 5)]
     with pytest.raises(ValueError, match=r"cu_seqlens_q is on the meta device, which holds no values"):
         varlen_attention(*packed, *offsets)
+    from attention_ref import linear
+
+    x, gate = torch.empty(1, 8, 2, 4, device="meta"), torch.empty(1, 8, 2, device="meta")
+    for mode in ("recurrent", "chunked"):  # the gates' checks and the choice of form read no values on meta
+        assert linear.gated_delta_rule(x, x, x, gate, gate, mode=mode, chunk_size=4)[0].shape == (1, 8, 2, 4)
+    assert linear.kimi_delta_attention(x, x, x, x, gate, mode="chunked", chunk_size=4)[0].shape == (1, 8, 2, 4)
+    assert linear.gated_linear_attention(x, x, x, gate)[0].shape == (1, 8, 2, 4)
 
 
 def test_dense_masks_outside_the_core_are_estimated_first(monkeypatch):
