@@ -76,6 +76,7 @@ keys, ``E`` query/key size, ``Ev`` value size, ``k`` keys listed per query.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -371,7 +372,7 @@ def block_topk_attention(
     block_indices: torch.Tensor,
     block_size: int,
     attn_mask: torch.Tensor | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     r"""Attention of each query over the key *blocks* ``block_indices`` lists (MiniMax-M3's sparse attention).
 
@@ -382,7 +383,9 @@ def block_topk_attention(
     ``-1`` = none, out of range and repeats raise, causality only when asked).
 
     Args:
-        query, key, value: as `topk_attention`.
+        query: ``(..., L, E)``, as `topk_attention`.
+        key: ``(..., S, E)`` (``(..., Hkv, S, E)`` with ``enable_gqa``).
+        value: ``(..., S, Ev)``.
         block_indices: ``(..., L, k)`` integer, the blocks of each query, in
             ``[0, ceil(S / block_size))`` or ``-1``; its leading dims broadcast
             to the output's ``(..., H)``. (transformers' MiniMax-M3 passes one
