@@ -306,26 +306,42 @@ SMALL = dict(
 )
 
 
-def _tiny_config(model_type: str):
-    """The default config of ``model_type``, every size in `SMALL` it has shrunk.
+def _tiny(cls, sizes=SMALL, **over):
+    """The default config of class ``cls``, every size in `SMALL` it has shrunk, its sub-configs too, then ``over``.
 
-    A default ``layer_types`` pattern is cut to its shortest prefix holding every kind of layer
-    (Gemma 3's 5 local : 1 global keeps 6 layers, Qwen3-Next's 3 linear : 1 full keeps 4).
+    ``over`` may hold a sub-config's overrides as a dict (``text_config={...}``). A default
+    ``layer_types`` pattern is cut to its shortest prefix holding every kind of layer (Gemma 3's
+    5 local : 1 global keeps 6 layers, Qwen3-Next's 3 linear : 1 full keeps 4).
     """
-    cls = transformers.CONFIG_MAPPING[model_type]
-    default = cls()
-    if default.sub_configs:
-        raise LookupError("a composite config (text with vision or audio): its text model is swept on its own")
+    try:
+        default = cls()
+    except Exception:  # a default that does not validate (Gemma 4's assistant): the overrides make it
+        default = cls(**over)
     fields = set(default.to_dict())
-    kw = {k: v for k, v in SMALL.items() if k in fields}
+    kw = {k: v for k, v in sizes.items() if k in fields}
     if "qk_rope_head_dim" in fields:  # MLA: head_dim is the rotary part, one key/value head per query head
         kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=kw["num_attention_heads"])
-    types = getattr(default, "layer_types", None)
+    types = getattr(default, "layer_types", None) if "layer_types" in fields else None  # else an alias (Bamba's)
     if isinstance(types, list) and types and not isinstance(getattr(cls, "layer_types", None), property):
         n = max(types.index(t) for t in set(types)) + 1
         kw["layer_types"] = types[:n] if n > 1 else types[:1] * 2
         kw["num_hidden_layers"] = len(kw["layer_types"])
-    return cls(**kw)
+    if isinstance(over.get("layer_types"), list) and "num_hidden_layers" not in over:
+        kw["num_hidden_layers"] = len(over["layer_types"])
+    for key in default.sub_configs or {}:
+        sub = getattr(default, key, None)
+        if isinstance(sub, transformers.PreTrainedConfig):  # None: a tower the default leaves out
+            kw[key] = _tiny(type(sub), sizes, **over.pop(key, {}))
+    return cls(**{**kw, **over})
+
+
+def _tiny_config(model_type: str):
+    """The default config of ``model_type``, shrunk by `_tiny`; a composite config raises (tests/test_hf_sweep.py
+    sweeps the text towers)."""
+    cls = transformers.CONFIG_MAPPING[model_type]
+    if cls().sub_configs:
+        raise LookupError("a composite config (text with vision or audio): its text model is swept on its own")
+    return _tiny(cls)
 
 
 def _decoders():

@@ -43,7 +43,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_models import NAME, PAD, SMALL, VOCAB, _batch, _Counting, _gap, _logits, _sharpen  # noqa: E402
+from test_hf_models import (  # noqa: E402
+    NAME, PAD, SMALL, VOCAB, _batch, _Counting, _gap, _logits, _sharpen, _tiny,
+)
 
 COUNTING = "attention_ref_sweep_counting"
 LIMIT = 1e-5  # the causal sweep's: max |ours - eager| / max |eager| on the compared tokens
@@ -67,34 +69,6 @@ class _Negating(_Counting):
 COUNTER = _Negating()
 transformers.AttentionInterface.register(COUNTING, COUNTER)
 transformers.AttentionMaskInterface.register(COUNTING, transformers.AttentionMaskInterface()[NAME])
-
-
-def _tiny(cls, sizes=SMALL, **over):
-    """The default config of class ``cls``, every size in `SMALL` it has shrunk, its sub-configs too, then ``over``.
-
-    ``over`` may hold a sub-config's overrides as a dict (``text_config={...}``). A default
-    ``layer_types`` is cut as in test_hf_models' ``_tiny_config``: its shortest prefix holding every kind.
-    """
-    try:
-        default = cls()
-    except Exception:  # a default that does not validate (Gemma 4's assistant): the overrides make it
-        default = cls(**over)
-    fields = set(default.to_dict())
-    kw = {k: v for k, v in sizes.items() if k in fields}
-    if "qk_rope_head_dim" in fields:  # MLA: head_dim is the rotary part, one key/value head per query head
-        kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=kw["num_attention_heads"])
-    types = getattr(default, "layer_types", None) if "layer_types" in fields else None  # else an alias (Bamba's)
-    if isinstance(types, list) and types and not isinstance(getattr(cls, "layer_types", None), property):
-        n = max(types.index(t) for t in set(types)) + 1
-        kw["layer_types"] = types[:n] if n > 1 else types[:1] * 2
-        kw["num_hidden_layers"] = len(kw["layer_types"])
-    if isinstance(over.get("layer_types"), list) and "num_hidden_layers" not in over:
-        kw["num_hidden_layers"] = len(over["layer_types"])
-    for key in default.sub_configs or {}:
-        sub = getattr(default, key, None)
-        if isinstance(sub, transformers.PreTrainedConfig):  # None: a tower the default leaves out
-            kw[key] = _tiny(type(sub), sizes, **over.pop(key, {}))
-    return cls(**{**kw, **over})
 
 
 def _size(cls, config) -> int:
