@@ -127,6 +127,7 @@ __all__ = [
     "from_attention_gym_sliding_window",
     "from_flash_attn_alibi",
     "from_flash_attn_causal",
+    "from_flash_attn2_lse",
     "from_flash_attn_lse",
     "from_flash_attn_qv",
     "from_flash_attn_window",
@@ -139,6 +140,7 @@ __all__ = [
     "from_mla_kernel_output",
     "gpt_oss_sink_attention",
     "granite_swa_sink_attention",
+    "to_flash_attn2_lse",
     "to_flash_attn_lse",
     "to_flash_attn_qv",
     "to_flash_mla",
@@ -461,6 +463,60 @@ def to_flash_attn_lse(lse: torch.Tensor) -> torch.Tensor:
         [-inf]
     """
     return _lse(lse)
+
+
+def from_flash_attn2_lse(lse: torch.Tensor) -> torch.Tensor:
+    """FlashAttention 2's (and 3's) ``lse`` as this package's: ``+inf`` on a row with no key becomes ``-inf``.
+
+    FlashAttention 2 and 3 return the natural-log LSE ``(B, H, L)`` (``(H,
+    total_q)`` with ``cu_seqlens_q``), the same as this package's on every row
+    that sees a key. On a row with no key (bottom-right causal with ``L > S``, a
+    window that empties it) their kernels write ``+inf`` (``-inf`` only in a
+    split-KV partial result), where this package writes ``-inf``, the log of an
+    empty sum. Pass theirs through this before
+    `attention_ref.testing.assert_attention_close` (``actual_lse=``).
+
+    Args:
+        lse: ``(..., H, L)``, FlashAttention 2's or 3's log-sum-exp.
+
+    Returns:
+        A new tensor, ``+inf`` replaced by ``-inf``.
+
+    Raises:
+        TypeError: ``lse`` not a floating-point tensor.
+        ValueError: ``lse`` with no dim.
+
+    Examples:
+        >>> import torch
+        >>> from_flash_attn2_lse(torch.tensor([[float("inf"), 0.5]])).tolist()  # row 0 saw no key
+        [[-inf, 0.5]]
+    """
+    lse = _lse(lse)
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def to_flash_attn2_lse(lse: torch.Tensor) -> torch.Tensor:
+    """This package's ``lse`` as FlashAttention 2's (and 3's): ``-inf`` on a row with no key becomes ``+inf``.
+
+    The inverse of `from_flash_attn2_lse`.
+
+    Args:
+        lse: ``(..., H, L)``, this package's natural-log LSE (without sinks: FlashAttention 2 has none).
+
+    Returns:
+        A new tensor, ``-inf`` replaced by ``+inf``.
+
+    Raises:
+        TypeError: ``lse`` not a floating-point tensor.
+        ValueError: ``lse`` with no dim.
+
+    Examples:
+        >>> import torch
+        >>> to_flash_attn2_lse(torch.tensor([float("-inf"), 1.0])).tolist()
+        [inf, 1.0]
+    """
+    lse = _lse(lse)
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def from_flashinfer_lse(lse: torch.Tensor) -> torch.Tensor:

@@ -2,15 +2,18 @@
 
 A kernel in float16 cannot match a float64 reference to ``1e-6``, and a fixed
 tolerance per dtype is either too loose for small inputs or too tight for long
-sequences. FlashAttention's tests (Dao et al. 2022, https://arxiv.org/abs/2205.14135)
-judge a kernel against what plain PyTorch achieves in the same precision:
+sequences. FlashAttention's test suite (Dao-AILab/flash-attention, ``tests/test_flash_attn.py``;
+the algorithm: Dao et al. 2022, https://arxiv.org/abs/2205.14135) judges a kernel against
+what plain PyTorch achieves in the same precision:
 
 1. ``reference``: attention in float64 (this package's
    `attention_ref.functional.scaled_dot_product_attention`, ``backend="math"``);
 2. ``low_precision``: plain PyTorch attention in the inputs' own dtype, with no
-   upcasting anywhere, in FlashAttention's order (``query * scale`` first, then
-   the product with ``key``, a ``score_mod``, softmax and the product with
-   ``value``, all in that dtype: FlashAttention's ``upcast=False``);
+   upcasting anywhere (FlashAttention's ``upcast=False``): ``query * scale``
+   first, then the product with ``key``, a ``score_mod``, softmax and the product
+   with ``value``, all in that dtype. (FlashAttention's suite scales the keys
+   instead, ``reorder_ops=True``: ``q @ (k / sqrt(d))``; either way one operand
+   is rounded once more before the product);
 3. the kernel passes when each error is at most ``factor`` times the baseline's,
    plus ``atol``.
 
@@ -147,7 +150,8 @@ def assert_attention_close(
 
     The reference is `attention_ref.functional.scaled_dot_product_attention` on
     float64 copies of the inputs. The low-precision baseline is plain PyTorch in
-    the inputs' dtype with no upcasting, in FlashAttention's order:
+    the inputs' dtype with no upcasting (FlashAttention's suite scales ``key``
+    instead, ``reorder_ops=True``):
     ``(query * scale) @ key^T``, a ``score_mod`` (its result rounded to the dtype),
     a float ``attn_mask`` added, the boolean conditions (a bool ``attn_mask`` with
     ``True`` = takes part, the opposite of ``torch.nn.MultiheadAttention``;

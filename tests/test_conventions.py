@@ -37,6 +37,7 @@ from attention_ref.conventions import (
     from_attention_gym_sliding_window,
     from_flash_attn_alibi,
     from_flash_attn_causal,
+    from_flash_attn2_lse,
     from_flash_attn_lse,
     from_flash_attn_qv,
     from_flash_attn_window,
@@ -49,6 +50,7 @@ from attention_ref.conventions import (
     from_mla_kernel_output,
     gpt_oss_sink_attention,
     granite_swa_sink_attention,
+    to_flash_attn2_lse,
     to_flash_attn_lse,
     to_flash_attn_qv,
     to_flash_mla,
@@ -1016,3 +1018,20 @@ _MLA_ERRORS = [
 def test_bad_mla_layout_input_names_the_argument_and_both_values(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_flash_attention_2_writes_plus_inf_on_a_row_with_no_key():
+    """FlashAttention 2 and 3 write +inf in the LSE of a row no key takes part in (issue 38): converted, the
+    checker judges it; unconverted, it fails naming that row."""
+    from attention_ref.masks import causal_mask
+    from attention_ref.testing import assert_attention_close
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (5, 3, 3))
+    allowed = causal_mask(5, 3, alignment="bottom_right")  # queries 0 and 1 see no key
+    out, lse = scaled_dot_product_attention(q, k, v, allowed, return_lse=True)
+    theirs = to_flash_attn2_lse(lse)  # what FlashAttention 2 would return
+    assert theirs[..., :2].eq(float("inf")).all() and torch.equal(theirs[..., 2:], lse[..., 2:])
+    assert_attention_close(out, q, k, v, attn_mask=allowed, actual_lse=from_flash_attn2_lse(theirs))
+    with pytest.raises(AssertionError, match=r"lse:[\s\S]*actual inf, reference -inf"):
+        assert_attention_close(out, q, k, v, attn_mask=allowed, actual_lse=theirs)
