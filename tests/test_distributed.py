@@ -15,7 +15,10 @@ path with the same sinks, and the ranks' ``sinks.grad`` (each its local share) s
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -398,3 +401,14 @@ def test_a_failing_rank_stops_the_others():
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose|gloo"):
         spawn(_failing_worker, 2, timeout=60)
     assert time.monotonic() - start < 50
+
+
+def test_the_pages_script_with_the_main_guard_runs_from_an_empty_folder(tmp_path):
+    """inference/across-devices.md shows how a script calls spawn (issue 38: without the guard it fails)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "inference" / "across-devices.md").read_text()
+    script = next(block for block in re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+                  if 'if __name__ == "__main__":' in block)
+    (tmp_path / "run.py").write_text(script)
+    done = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.strip()) < 1e-12
