@@ -197,6 +197,15 @@ def _steps(cell_h: float, cell_w: float, keys: list[str] | None, S: int) -> tupl
     return step(_MIN_CELL, cell_h), step(need_w, cell_w)
 
 
+def _labelled(n: int, step: int) -> list[int]:
+    """Every ``step``-th of ``n`` indices from 0, the last index in place of the last of them: still at least
+    ``step`` apart, and the first and the last (a sentence's ``[CLS]`` and ``[SEP]``) labelled."""
+    ticks = list(range(0, n, step))
+    if len(ticks) > 1:
+        ticks[-1] = n - 1  # more than step after the one before it
+    return ticks
+
+
 def _draw(
     ax: Axes,
     weights: np.ndarray,
@@ -211,13 +220,14 @@ def _draw(
     """Draw one ``(L, S)`` heatmap on ``ax``; return the image (for a colorbar).
 
     ``step`` labels every ``step[0]``-th row and ``step[1]``-th column (the
-    cells are too small for every label); ``mask`` writes annotations as 0/1.
+    cells are too small for every label), the last one always (a sentence's
+    ``[SEP]``); ``mask`` writes annotations as 0/1.
     """
     L, S = weights.shape
     image = ax.imshow(weights, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xlabel("key")
     ax.set_ylabel("query")
-    rows, cols = range(0, L, step[0]), range(0, S, step[1])
+    rows, cols = _labelled(L, step[0]), _labelled(S, step[1])
     ax.set_xticks(cols, [keys[j] if keys is not None else str(j) for j in cols])
     ax.set_yticks(rows, [queries[i] if queries is not None else str(i) for i in rows])
     ax.tick_params(axis="x", labelrotation=90 if _rotated(keys) else 0)

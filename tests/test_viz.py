@@ -174,7 +174,11 @@ def test_heatmap_fits_the_column_with_readable_labels(L, S):
     (ax,) = image_axes(fig)
     shown = tick_texts(ax, "x")
     step = 1 if len(shown) == S else int(shown[1][3:])
-    assert shown == labels[::step]  # every step-th key labelled, starting at the first
+    # every step-th key labelled from the first, the last one in place of the last of them
+    expected = labels[::step]
+    if len(expected) > 1:
+        expected[-1] = labels[-1]
+    assert shown == expected
     assert_readable(heatmap(weights(L, S)))  # index labels, written horizontally
 
 
@@ -993,3 +997,16 @@ def test_map_slider_html_rejects_bad_input(kwargs, error, match):
     arguments = {"maps": weights(7, 5, 3), "query_labels": TOKENS, "key_labels": KEYS, **kwargs}
     with pytest.raises(error, match=match):
         map_slider_html(**arguments)
+
+
+def test_head_grid_labels_the_last_token_however_it_thins_the_labels():
+    """Issue 33: page 6's grids labelled every other key, so the [SEP] column its caption asks about had none."""
+    from attention_ref.viz import _labelled
+
+    assert _labelled(10, 2) == [0, 2, 4, 6, 9] and _labelled(11, 3) == [0, 3, 6, 10] and _labelled(2, 2) == [0]
+    for n in (20, 31):
+        tokens = ["[CLS]"] + [f"w{i}" for i in range(n - 2)] + ["[SEP]"]
+        weights = torch.softmax(torch.randn(4, n, n, generator=torch.Generator().manual_seed(n)), -1)
+        page = viz.head_grid_html(weights, tokens)
+        assert page.count(">[SEP]<") == page.count(">[CLS]<") == 8  # 4 heads, both axes
+        assert page.count(">w1<") < 8  # the labels are thinned: the test is about the thinned case
