@@ -202,40 +202,35 @@ def test_gpt_oss_sinks_matter_and_the_weights_keep_them():
     assert (sums[0] < 1 - 1e-3).all()  # every real row gives mass to the sink
 
 
-def test_inkling_2_one_sink_per_query_equals_eager():
-    """Inkling 2 computes a sink per query from the hidden states (issue 32: refused before); dropped, the
-    logits move far."""
-    torch.manual_seed(0)
-    model = _sharpen(transformers.Inkling2ForCausalLM(_tiny_config("inkling2_text"))).eval()
-    sinkless = "attention_ref_without_sinks"
-    transformers.AttentionInterface.register(sinkless, lambda *a, sinks=None, **kw: hf.attention_forward(*a, **kw))
-    transformers.AttentionMaskInterface.register(sinkless, transformers.AttentionMaskInterface()[NAME])
+def _equals_eager_and_needs(model, keyword: str) -> None:
+    """``model`` through attention_ref equals eager, padded and not; through an adapter that drops ``keyword``
+    (as one that ignored it would), its logits move far."""
+    dropping = f"attention_ref_without_{keyword}"
+    transformers.AttentionInterface.register(
+        dropping, lambda *a, **kw: hf.attention_forward(*a, **{k: v for k, v in kw.items() if k != keyword}))
+    transformers.AttentionMaskInterface.register(dropping, transformers.AttentionMaskInterface()[NAME])
     for padded in (True, False):
         ids, mask = _batch(padded)
         eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
         ours = _logits(model, NAME, input_ids=ids, attention_mask=mask if padded else None)
         assert _gap(ours, eager, mask.bool()) < 1e-5
-    assert _gap(_logits(model, sinkless, input_ids=ids, attention_mask=mask), eager, mask.bool()) > 1e-2
+    assert _gap(_logits(model, dropping, input_ids=ids, attention_mask=mask), eager, mask.bool()) > 1e-2
+
+
+def test_inkling_2_one_sink_per_query_equals_eager():
+    """Inkling 2 computes a sink per query from the hidden states (issue 32: refused before)."""
+    torch.manual_seed(0)
+    _equals_eager_and_needs(_sharpen(transformers.Inkling2ForCausalLM(_tiny_config("inkling2_text"))).eval(), "sinks")
 
 
 def test_minimax_m3_block_indices_equal_eager():
     """MiniMax-M3 passes the key blocks its indexer kept (issue 32: refused before); blocks of 2 keys, 3 per
-    query, so the 13-token prompts lose keys. Ignoring the selection, the logits move far."""
+    query, so the 13-token prompts lose keys."""
     config = _tiny_config("minimax_m3_vl_text")
     config.layer_types, config.mlp_layer_types = ["minimax_m3_sparse", "full_attention"], ["dense", "dense"]
     config.num_hidden_layers, config.index_block_size, config.index_topk_blocks = 2, 2, 3
     torch.manual_seed(0)
-    model = _sharpen(transformers.MiniMaxM3VLForCausalLM(config)).eval()
-    dense = "attention_ref_without_blocks"
-    transformers.AttentionInterface.register(
-        dense, lambda *a, block_indices=None, **kw: hf.attention_forward(*a, **kw))
-    transformers.AttentionMaskInterface.register(dense, transformers.AttentionMaskInterface()[NAME])
-    for padded in (True, False):
-        ids, mask = _batch(padded)
-        eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
-        ours = _logits(model, NAME, input_ids=ids, attention_mask=mask if padded else None)
-        assert _gap(ours, eager, mask.bool()) < 1e-5
-    assert _gap(_logits(model, dense, input_ids=ids, attention_mask=mask), eager, mask.bool()) > 1e-2
+    _equals_eager_and_needs(_sharpen(transformers.MiniMaxM3VLForCausalLM(config)).eval(), "block_indices")
 
 
 def test_the_windows_and_chunks_remove_keys():

@@ -73,22 +73,36 @@ def _loss(out, lse):
         + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).mul(0.3).cos().sum()
 
 
+def _per_query(sinks, seed=5):
+    """(B, H, L) sinks, a leaf, in sinks' dtype and device: one per query (Inkling 2)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, L, generator=g, dtype=torch.float64) * 2).to(sinks).detach().requires_grad_()
+
+
 @pytest.mark.parametrize("backend", ["math", "tiled"])
 @pytest.mark.parametrize("kind", ["none", "causal", "window", "empty rows"])
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_sinks_equal_gpt_oss_form_with_gradients(backend, kind, gqa, device):
-    q, k, v, sinks = _inputs(heads=(H, HKV) if gqa else (H, H), device=device)
+@pytest.mark.parametrize("per", ["head", "query"])
+def test_sinks_equal_gpt_oss_form_with_gradients(backend, kind, gqa, per, device):
+    """One sink per head (gpt-oss) or per query (Inkling 2): the appended column, weights and every gradient."""
+    q, k, v, per_head = _inputs(heads=(H, HKV) if gqa else (H, H), device=device)
+    sinks = per_head if per == "head" else _per_query(per_head)
     keep = _keep(kind, device)
     out, lse = scaled_dot_product_attention(q, k, v, keep, sinks=sinks, return_lse=True, backend=backend,
                                             enable_gqa=gqa)
-    ref, _, ref_lse = _oracle(q, k, v, sinks, keep)
+    ref, ref_weights, ref_lse = _oracle(q, k, v, sinks, keep)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(attention_weights(q, k, keep, sinks=sinks, enable_gqa=gqa), ref_weights,
+                               atol=1e-12, rtol=1e-10)
     grads = torch.autograd.grad(_loss(out, lse), (q, k, v, sinks))
     ref_grads = torch.autograd.grad(_loss(ref, ref_lse), (q, k, v, sinks))
+    assert grads[3].shape == sinks.shape  # one gradient per sink
     for name, g, r in zip("q k v sinks".split(), grads, ref_grads):
         assert torch.isfinite(g).all(), name
         torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-9, msg=lambda m, name=name: f"d{name}: {m}")
+    if per == "query":  # the sinks matter: not the per-head result
+        assert (out - _oracle(q, k, v, per_head, keep)[0]).abs().max() > 1e-2
 
 
 def test_weights_are_sink_renormalised_and_rows_sum_below_one():
@@ -240,35 +254,6 @@ def test_bad_sinks_are_refused_by_name(sinks, error, match):
 
 
 # ---- one sink per query (Inkling 2: computed from each token's hidden state) --------------------------
-
-
-def _per_query(sinks, seed=5):
-    """(B, H, L) sinks, a leaf, in sinks' dtype and device."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, L, generator=g, dtype=torch.float64) * 2).to(sinks).detach().requires_grad_()
-
-
-@pytest.mark.parametrize("backend", ["math", "tiled"])
-@pytest.mark.parametrize("kind", ["none", "causal", "empty rows"])
-@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_one_sink_per_query_equals_the_appended_column_with_gradients(backend, kind, gqa, device):
-    q, k, v, per_head = _inputs(heads=(H, HKV) if gqa else (H, H), device=device)
-    sinks = _per_query(per_head)
-    keep = _keep(kind, device)
-    out, lse = scaled_dot_product_attention(q, k, v, keep, sinks=sinks, return_lse=True, backend=backend,
-                                            enable_gqa=gqa)
-    ref, ref_weights, ref_lse = _oracle(q, k, v, sinks, keep)
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(attention_weights(q, k, keep, sinks=sinks, enable_gqa=gqa), ref_weights,
-                               atol=1e-12, rtol=1e-10)
-    grads = torch.autograd.grad(_loss(out, lse), (q, k, v, sinks))
-    ref_grads = torch.autograd.grad(_loss(ref, ref_lse), (q, k, v, sinks))
-    assert grads[3].shape == (B, H, L)  # one gradient per query's sink
-    for name, g, r in zip("q k v sinks".split(), grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-11, rtol=1e-9, msg=lambda m, name=name: f"d{name}: {m}")
-    per_row = _oracle(q, k, v, per_head, keep)[0]  # the sinks matter: not the per-head result
-    assert (out - per_row).abs().max() > 1e-2
 
 
 def test_sinks_broadcast_to_the_rows():
