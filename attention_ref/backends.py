@@ -535,8 +535,9 @@ def _sdpa(
 ) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with the arguments translated.
 
-    - Inputs become 4-D ``(N, H, L, E)``: torch's CPU flash kernel runs only on 4-D
-      inputs (others fall back to its math kernel, which forms the ``(L, S)`` scores).
+    - Inputs become 4-D ``(N, H, L, E)``: torch 2.13's CPU flash kernel runs only on 4-D
+      inputs (others fall back to its math kernel, which forms the ``(L, S)`` scores;
+      torch 2.14 takes 3-D inputs to flash too).
     - Bool masks keep their polarity (``True`` = takes part in both).
     - torch refuses ``attn_mask`` together with ``is_causal=True``: the causal mask
       is folded into ``attn_mask`` (AND for bool, ``-inf`` added for float).

@@ -34,6 +34,7 @@ from attention_ref.complexity import (
     sliding_window_pairs,
 )
 from attention_ref.kv_cache import KVCache
+from transformers_api import with_cache  # tests/transformers_api.py
 
 
 def _count(fn, *args, **kwargs) -> int:
@@ -196,7 +197,7 @@ def _transformers_cache_after(config, model_class, tokens: int):
     model = model_class(config).eval()
     cache = transformers.DynamicCache(config=config)
     with torch.no_grad():
-        model(torch.randint(0, config.vocab_size, (1, tokens)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, config.vocab_size, (1, tokens)), **with_cache(cache), use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from attention_ref import conformance
 from attention_ref.conformance import Adapter, KnownFailure, shipped
+from attention_ref.conformance.adapter import version_tuple
 from attention_ref.conformance.cases import FEATURES, SCENARIOS, by_id, matrix
 
 
@@ -127,7 +128,8 @@ def test_known_bugs_are_pinned_to_a_version_and_say_why():
     flex = shipped.hf_flex()
     case = by_id("float_mask_per_head-float32-fwd-small")
     known = flex.known_failure(case)
-    assert known.library == "transformers" and known.seen_in == "5.23.0"
+    assert known.library == "transformers" and known.seen_in == ("5.23.0", "5.24.0")
+    assert known.describe().endswith("(seen in transformers 5.23.0 and 5.24.0)")
     assert "head 0's float mask to every head" in known.describe()
     assert flex.known_failure(by_id("float_mask-float32-fwd-small")) is None  # (B, 1, L, S): no bug
 
@@ -298,6 +300,22 @@ def test_a_known_failure_of_an_older_version_is_judged_plainly_again():
     (result,) = conformance.run(adapter, select=["plain-float32-fwd-small"]).results
     assert result.status == "failed"
     assert "a known failure of old bug (seen in torch 1.0) no longer expected in this version" in result.detail
+    assert f"add torch {torch.__version__} to its seen_in" in result.detail
+
+
+def test_a_known_failure_is_expected_up_to_the_newest_version_it_was_seen_in():
+    major = version_tuple(torch.__version__)[0]
+    older, newer = f"{major - 1}.0.0", f"{major + 1}.0.0"
+    for seen, expected in [((older,), False), ((newer, older), True), (("1.0", older), False)]:
+        known = KnownFailure("a bug", "torch", seen, frozenset({"plain"}))
+        assert known.expected() is expected, seen
+    known = KnownFailure("a bug", "torch", ("2.14.1", "2.9.0", "2.13.0"), frozenset({"plain"}))
+    assert known.seen_in == ("2.9.0", "2.13.0", "2.14.1") and known.newest_seen == "2.14.1"
+    assert known.describe() == "a bug (seen in torch 2.9.0, 2.13.0 and 2.14.1)"
+    with pytest.raises(ValueError, match="seen_in must name at least one version, got"):
+        KnownFailure("a bug", "torch", (), frozenset())
+    with pytest.raises(ValueError, match="not a version number: 'latest'"):
+        KnownFailure("a bug", "torch", ("2.13.0", "latest"), frozenset())
 
 
 # ---- the protocol's errors ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from attention_ref.linear import (
     state_kv_to_vk,
     state_vk_to_kv,
 )
+from transformers_api import returned_cache, with_cache  # tests/transformers_api.py
 
 F64 = torch.float64
 B, L, H, HV, E, EV = 3, 11, 2, 6, 5, 7
@@ -475,7 +476,7 @@ def test_oracle_tiny_qwen3_next_with_attention_ref_linear_layers(monkeypatch):
     def logits():
         with torch.no_grad():
             prefill = model(ids[:, :8], use_cache=True)
-            step = model(ids[:, 8:], past_key_values=prefill.past_key_values, use_cache=True)
+            step = model(ids[:, 8:], **with_cache(returned_cache(prefill)), use_cache=True)
         return prefill.logits, step.logits
 
     theirs = logits()

@@ -64,26 +64,44 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class KnownFailure:
-    """A bug found in a library: the cases it breaks, pinned to the version where it was seen.
+    """A bug found in a library: the cases it breaks, keyed by the versions it was seen in.
 
     Attributes:
         reason: what is wrong, in one sentence.
         library: the distribution the bug is in (``"transformers"``, ``"torch"``).
-        seen_in: the version it was seen in. The failure is expected while the
-            installed version is at most this one; in a later version the case is
-            judged plainly again (it passes once fixed; a failure names this entry).
+        seen_in: the version it was seen in, or the versions (each one checked):
+            ``("5.23.0", "5.24.0")``. The failure is expected while the installed
+            version is at most the newest of them; in a later version the case is
+            judged plainly again (it passes once fixed; a failure names this entry,
+            and once the bug is confirmed there its version joins ``seen_in``).
         applies: which cases it breaks: a predicate on `Case`, or a set of case ids
             and scenario names (a scenario name: every dtype and direction of it).
         dtypes: only in these dtypes (``None``: all).
         backward_only: only the bwd cases.
+
+    Raises:
+        ValueError: ``seen_in`` empty, or not version numbers.
     """
 
     reason: str
     library: str
-    seen_in: str
+    seen_in: str | tuple[str, ...]
     applies: Callable[[Case], bool] | frozenset[str] = field(compare=False)
     dtypes: tuple[torch.dtype, ...] | None = None
     backward_only: bool = False
+
+    def __post_init__(self) -> None:
+        versions = (self.seen_in,) if isinstance(self.seen_in, str) else tuple(self.seen_in)
+        if not versions:
+            raise ValueError(f"KnownFailure {self.reason!r}: seen_in must name at least one version, got ()")
+        for version in versions:
+            version_tuple(version)  # raises, naming it, on what is not a version number
+        object.__setattr__(self, "seen_in", tuple(sorted(versions, key=version_tuple)))
+
+    @property
+    def newest_seen(self) -> str:
+        """The newest version the bug was seen in: it is expected up to this one."""
+        return self.seen_in[-1]
 
     def matches(self, case: Case) -> bool:
         """Whether this bug is about ``case`` (whatever the installed version)."""
@@ -95,14 +113,20 @@ class KnownFailure:
             return bool(self.applies(case))
         return case.id in self.applies or case.scenario.name in self.applies
 
+    def installed(self) -> str | None:
+        """The version of ``library`` installed here (None: not installed)."""
+        return _installed(self.library)
+
     def expected(self) -> bool:
-        """Whether the installed library is at most ``seen_in`` (so the bug is still expected)."""
-        installed = _installed(self.library)
-        return installed is not None and version_tuple(installed) <= version_tuple(self.seen_in)
+        """Whether the installed library is at most the newest ``seen_in`` (so the bug is still expected)."""
+        installed = self.installed()
+        return installed is not None and version_tuple(installed) <= version_tuple(self.newest_seen)
 
     def describe(self) -> str:
-        """``"<reason> (seen in <library> <version>)"``."""
-        return f"{self.reason} (seen in {self.library} {self.seen_in})"
+        """``"<reason> (seen in <library> <version>[, <version>] and <version>)"``."""
+        seen = self.seen_in[0] if len(self.seen_in) == 1 else (
+            ", ".join(self.seen_in[:-1]) + " and " + self.seen_in[-1])
+        return f"{self.reason} (seen in {self.library} {seen})"
 
 
 @dataclass(frozen=True)

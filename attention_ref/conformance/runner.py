@@ -63,7 +63,9 @@ def check(adapter: Adapter | str, case: Case, device: torch.device | str = "cpu"
         known = adapter.known_failure(case)
         if known is not None and not known.expected():
             error.args = (f"{error.args[0] if error.args else ''}\n  note: a known failure of "
-                          f"{known.describe()} no longer expected in this version; still failing",
+                          f"{known.describe()} no longer expected in this version; still failing "
+                          f"(if this is that bug, not a new one, add {known.library} "
+                          f"{known.installed()} to its seen_in)",
                           *error.args[1:])
         raise
 

@@ -350,13 +350,18 @@ def _hf_flex_call(compiled: bool) -> Callable[[Problem], torch.Tensor]:
     return call
 
 
+#: The transformers releases the flex bugs below were seen in, each one run: in both, its
+#: flex_attention_forward's score_mod adds ``score_mask[batch_idx][0][q_idx][kv_idx]``.
+_HF_FLEX_BUGS_SEEN = ("5.23.0", "5.24.0")
+
+
 def _hf_flex_bugs(version: str) -> tuple[KnownFailure, ...]:
     return (
         KnownFailure("flex_attention_forward adds head 0's float mask to every head: its score_mod reads "
-                     "score_mask[batch_idx][0][q_idx][kv_idx]", "transformers", "5.23.0",
+                     "score_mask[batch_idx][0][q_idx][kv_idx]", "transformers", _HF_FLEX_BUGS_SEEN,
                      frozenset({"float_mask_per_head"})),
         KnownFailure("flex_attention_forward raises IndexError on a float mask of batch 1 (broadcast over the "
-                     "batch): its score_mod indexes score_mask[batch_idx]", "transformers", "5.23.0",
+                     "batch): its score_mod indexes score_mask[batch_idx]", "transformers", _HF_FLEX_BUGS_SEEN,
                      frozenset({"float_mask_batch1"})),
     )
 
