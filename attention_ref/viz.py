@@ -669,11 +669,45 @@ def _svg(figure: Figure, label: str | None = None) -> str:
     svg = text[start.start():]
     svg = _COMMENT.sub("", svg)  # matplotlib's <!-- text --> notes: only bytes in a page
     svg = _themed(svg)
-    # Scale with the page: keep the viewBox, let CSS size it. Named for screen readers by its titles.
+    # Scale with the page: keep the viewBox, let CSS size it, but never below the width at which its
+    # smallest text renders at _READABLE_PX (a wider figure scrolls in its box on a phone, see
+    # extra.css). Named for screen readers by its titles.
+    readable = _readable_width(svg)
     svg = _SVG_START.sub(f'<svg class="ar-figure" role="img" aria-label="{html.escape(label)}" '
-                         'style="max-width: 100%; height: auto"', svg, count=1)
+                         f'style="max-width: 100%; height: auto; --ar-readable-width: {readable}px"', svg, count=1)
     # No indentation and no blank lines: smaller, and safe inside Markdown.
     return "\n".join(line.strip() for line in svg.splitlines() if line.strip()) + "\n"
+
+
+#: The smallest text a figure may show on screen, in CSS px: a figure is never drawn narrower than the
+#: width at which its smallest text renders this big.
+_READABLE_PX = 9.0
+_FONT_SIZE = re.compile(r"font-size:\s*([0-9.]+)px")
+_VIEWBOX = re.compile(r'viewBox="[-0-9.]+ [-0-9.]+ ([0-9.]+) [0-9.]+"')
+
+
+def _readable_width(svg: str) -> int:
+    """The width in CSS px below which ``svg``'s smallest text would render under `_READABLE_PX`.
+
+    matplotlib writes sizes in the viewBox's units (points): text of ``f`` units in a viewBox
+    ``w`` units wide renders at ``f * shown / w`` px when the figure is ``shown`` px wide, so
+    ``shown >= _READABLE_PX * w / f``. At its own size (``w`` pt = ``4 w / 3`` px) a figure's
+    text of 6.75 pt or more is readable already; 0 for a figure without text.
+
+    Examples:
+        >>> _readable_width('<svg viewBox="0 0 300 150"><text style="font-size: 9px">a</text></svg>')
+        300
+        >>> _readable_width('<svg viewBox="0 0 600 150"><text style="font-size: 6px">a</text></svg>')
+        900
+        >>> _readable_width('<svg viewBox="0 0 600 150"></svg>')
+        0
+    """
+    sizes = [float(size) for size in _FONT_SIZE.findall(svg)]
+    box = _VIEWBOX.search(svg)
+    if not sizes or box is None:
+        return 0
+    width = float(box.group(1))
+    return math.ceil(_READABLE_PX * width / min(sizes))
 
 
 def _figure_box(body: str, caption: str | None) -> str:
@@ -836,7 +870,7 @@ def head_grid_html(
     return _figure_box(heading + grid + bar, caption)
 
 
-_EXPLORER_MODEL_KEYS = frozenset({"sentences", "scores", "scale", "causal", "head_names", "layer_names"})
+_EXPLORER_MODEL_KEYS = frozenset({"sentences", "scores", "scale", "causal", "head_names", "layer_names", "caption"})
 _WEIGHT_UNIT = 1e-4  # weights travel as uint16 counts of 1e-4: 4 decimals, 0 to 10000
 _SCORE_UNITS = (0.01, 0.1, 1.0)  # scores travel as int16 counts of the first unit that holds them
 
@@ -909,6 +943,13 @@ def _explorer_scores(label: str, scores: object, weights: np.ndarray, scale: flo
             f"differs from the weights by up to {worst:.3g} (allowed 1e-3)"
         )
     return array
+
+
+def _explorer_caption(name: str, caption: object) -> str | None:
+    """A model's caption: a str, or None (and "") for none."""
+    if caption is not None and not isinstance(caption, str):
+        raise TypeError(f"{name} must be a str or None, got {type(caption).__name__}")
+    return caption or None
 
 
 def _explorer_pack(array: np.ndarray, unit: float, signed: bool) -> str:
@@ -995,6 +1036,8 @@ def _explorer_json(model: dict[str, Any], initial: list[int | None]) -> dict[str
     """The JSON of one model: names, and per sentence the packed weights and scores."""
     data: dict[str, Any] = {"name": model["name"], "layers": model["layers"], "heads": model["heads"],
                             "causal": model["causal"], "weightUnit": _WEIGHT_UNIT}
+    if model.get("caption"):
+        data["caption"] = model["caption"]  # the script shows the caption of the model chosen
     biggest = max((float(np.abs(s).max()) for *_, s in model["items"] if s is not None), default=None)
     if biggest is not None:
         unit = next((u for u in _SCORE_UNITS if biggest / u < 32767), None)
@@ -1042,7 +1085,9 @@ def explorer_html(
     for a key after its query) and the weight; without ``scores``, the weight
     only. Menus pick the model (with ``other_models``), the sentence, the layer
     and the head. An overview of every layer x head, one small heatmap per head
-    shaded to that head's own largest weight, opens a head when clicked.
+    shaded to that head's own largest weight, opens a head when clicked. With
+    ``scores``, the table also gives each key's $\exp(s - \max)$ and the sum
+    they are divided by, so each weight can be checked by hand.
 
     Every number shown is computed here, at build time, and embedded in the
     page; the script only displays. Weights travel in units of 1e-4, scores in
@@ -1057,10 +1102,12 @@ def explorer_html(
 
     Markup: a ``div.attention-explorer`` whose ``data-attention`` attribute
     holds the JSON ``{"model": 0, "models": [{"name", "layers", "heads",
-    "causal", "weightUnit", "scale", "scoreUnit", "sqrtD", "sentences":
-    [{"text", "tokens", "weights", "scores", "initial"}]}]}`` (``scale``,
-    ``scoreUnit``, ``sqrtD`` and ``scores`` only with scores; ``initial`` the
-    token selected first or ``null``), a ``<select>`` per menu, a direction
+    "causal", "weightUnit", "scale", "scoreUnit", "sqrtD", "caption",
+    "sentences": [{"text", "tokens", "weights", "scores", "initial"}]}]}``
+    (``scale``, ``scoreUnit``, ``sqrtD`` and ``scores`` only with scores;
+    ``caption`` only for a model that has one; ``initial`` the token selected
+    first or ``null``), a caption paragraph when a model has a caption (the
+    script shows the chosen model's, or hides it), a ``<select>`` per menu, a direction
     toggle, one ``<button>`` per token of the first sentence shown, and empty
     containers that the script fills (the steps table and the overview). The
     JSON sits in an attribute, not in a ``<script type="application/json">``:
@@ -1090,8 +1137,9 @@ def explorer_html(
         other_models: more models for the model menu, after this one: a
             mapping from a name to a mapping with the keys ``sentences``
             (required, as above), and optionally ``scores``, ``scale``,
-            ``causal``, ``head_names``, ``layer_names`` and ``initial_token``
-            (as above; they open on their first sentence, layer and head).
+            ``causal``, ``head_names``, ``layer_names``, ``initial_token`` and
+            ``caption`` (as above; they open on their first sentence, layer
+            and head). A model without a caption shows none.
         head_names: ``H`` names for the head menu; defaults to ``head 0``, ...
         layer_names: one name per layer for the layer menu; defaults to
             ``layer 0``, ... (the menu is left out when there is one layer and
@@ -1105,7 +1153,8 @@ def explorer_html(
             sentence); ``None`` shows a hint until the reader picks one. With
             ``sentences``, also a sequence of one index or ``None`` per sentence:
             the token selected when the reader first switches to it.
-        caption: a sentence shown above the menus.
+        caption: a sentence shown above the menus while this (the first)
+            model is chosen; give the other models theirs in ``other_models``.
 
     Returns:
         The HTML fragment (one block, no blank lines).
@@ -1120,8 +1169,8 @@ def explorer_html(
             range.
         TypeError: ``tokens`` is not a sequence of str, ``sentences`` not a
             mapping from str to ``(tokens, weights)``, both or neither of
-            ``tokens``/``weights`` and ``sentences`` given, or an unknown key
-            in ``other_models``.
+            ``tokens``/``weights`` and ``sentences`` given, an unknown key
+            in ``other_models``, or a caption that is not a str.
 
     Examples:
         >>> import torch
@@ -1167,8 +1216,10 @@ def explorer_html(
             model = _explorer_model(name, spec["sentences"], None, spec.get("scores"), spec.get("scale"),
                                     spec.get("causal", False), spec.get("head_names"), spec.get("layer_names"))
             model["initial_token"] = spec.get("initial_token")
+            model["caption"] = _explorer_caption(f"other_models[{name!r}] caption", spec.get("caption"))
             models.append(model)
         main["name"] = model_name or "model 0"
+    main["caption"] = _explorer_caption("caption", caption)
     items, layers, heads = main["items"], main["layers"], main["heads"]
     _explorer_index("initial_sentence", initial_sentence, len(items))
     _explorer_index("initial_layer", initial_layer, len(layers))
@@ -1236,7 +1287,9 @@ def explorer_html(
     )
     parts = [
         f'<div class="attention-explorer" id="{element_id}" data-attention="{esc(payload, quote=True)}">',
-        f'<p class="attention-explorer-caption">{esc(caption)}</p>' if caption else "",
+        # the first model's caption; the script swaps in the chosen model's (hidden: none)
+        f'<p class="attention-explorer-caption">{esc(main["caption"])}</p>' if main["caption"] else
+        '<p class="attention-explorer-caption" hidden></p>' if any(m["caption"] for m in models) else "",
         '<div class="attention-explorer-controls">',
         menu("model", "Model", [m["name"] for m in models], 0) if several else "",
         menu("sentence", "Sentence", [text for text, *_ in items], initial_sentence)

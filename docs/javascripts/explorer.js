@@ -7,24 +7,30 @@
  * query) or "is attended by" (its column: it is the key). The tokens are
  * shaded by weight, and a table gives, for every other token, the steps that
  * made the weight: q.k, the scaled score, the causal mask (when the model has
- * one) and the softmax. Menus switch the model, the sentence, the layer and
+ * one), exp(score - max) and the softmax, with the sum each exp is divided by
+ * (a last row for the chosen query; a column when each row is another query's),
+ * so that weight = exp / sum can be checked by hand. On a phone a tap on a
+ * token brings the table into view. Menus switch the model, the sentence, the layer and
  * the head; an overview of every layer x head (one small heatmap per head,
  * drawn here as inline SVG, each shaded to its own largest weight) opens a
  * head when clicked and outlines the chosen token's row or column.
  *
  * Every number comes from the JSON in the container's `data-attention`
  * attribute, computed by attention_ref when the site was built; this script
- * only decodes and displays it (the one product it forms is the scaled score,
- * q.k times the model's scale, for display):
+ * only decodes and displays it. For display it forms the scaled score (q.k
+ * times the model's scale), exp(score - max) and their sum from the embedded
+ * scores; the weights shown are the embedded ones (the two agree to about 5e-4,
+ * the scores travelling in steps of 0.01):
  *
  *   {"model": 0, "start": {"sentence", "layer", "head"},
- *    "models": [{"name", "layers": [names], "heads": [names], "causal",
+ *    "models": [{"name", "caption", "layers": [names], "heads": [names], "causal",
  *                "weightUnit", "scale", "scoreUnit", "sqrtD",
  *                "sentences": [{"text", "tokens", "weights", "scores", "initial"}]}]}
  *
  * `weights` (uint16, counts of weightUnit) and `scores` (int16, q.k before
  * the scale, counts of scoreUnit) are base64 little-endian arrays
- * (layers, H, L, L) flattened.
+ * (layers, H, L, L) flattened. `caption` (optional) is shown above the menus
+ * while its model is chosen.
  *
  * (Not a `<script type="application/json">`: Material's instant navigation
  * re-runs the scripts of a new page as JavaScript.)
@@ -40,6 +46,8 @@
   var SVG = "http://www.w3.org/2000/svg";
   var STEPS = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1 };
   var MINUS_INFINITY = "\u2212\u221e";
+  // Material's phone and tablet-portrait widths (its 45em breakpoint)
+  var NARROW = "(max-width: 44.984375em)";
 
   /* The index a key press moves to from `i` among `n` items, or null for other keys. */
   function moved(event, i, n) {
@@ -106,6 +114,24 @@
     return sentence.cache;
   }
 
+  /*
+   * The softmax of query i's row, step by step, from the embedded q.k: for
+   * every key j, exp(s - max) where s is q.k times the scale (-infinity for a
+   * key after the query under a causal mask, whose exp is 0) and max is the
+   * row's largest s; and the sum of the row's exps, which each exp is divided by.
+   */
+  function softmaxSteps(model, d, l, h, i) {
+    var s = [];
+    var top = -Infinity;
+    for (var j = 0; j < d.L; j++) {
+      s.push(model.causal && j > i ? -Infinity : d.s(l, h, i, j) * model.scale);
+      top = Math.max(top, s[j]);
+    }
+    var exp = s.map(function (x) { return Math.exp(x - top); });
+    var sum = exp.reduce(function (a, b) { return a + b; }, 0);
+    return { exp: exp, sum: sum };
+  }
+
   function tokenButton(token, i) {
     var button = element("button", "attention-explorer-token", token);
     button.type = "button";
@@ -147,6 +173,7 @@
     var thumbsBox = root.querySelector(".attention-explorer-thumbs");
     var status = root.querySelector(".attention-explorer-status");
     var steps = root.querySelector(".attention-explorer-steps");
+    var caption = root.querySelector(".attention-explorer-caption");
     var directionButtons = Array.prototype.slice.call(
       root.querySelectorAll("button.attention-explorer-direction-button"));
     var hint = status.textContent;
@@ -159,7 +186,9 @@
         queries: model.sentences.map(function (s) { return s.initial === undefined ? null : s.initial; }),
       };
     });
-    var state = { model: data.model, direction: "to", drawnTokens: null, drawnThumbs: null };
+    var state = {
+      model: data.model, direction: "to", drawnTokens: null, drawnThumbs: null, shownThumb: null,
+    };
 
     function model() { return data.models[state.model]; }
     function view() { return views[state.model]; }
@@ -251,7 +280,24 @@
       state.drawnThumbs = key;
     }
 
-    /* The table of steps for the chosen token, in the chosen direction. */
+    /* A cell of the weight column: the number, and under it a bar as long as the weight. */
+    function weightCell(w) {
+      var cell = element("td", "attention-explorer-value");
+      cell.style.setProperty("--attention-weight", String(w));
+      cell.appendChild(element("span", "attention-explorer-number", w.toFixed(3)));
+      var bar = element("span", "attention-explorer-bar");
+      bar.setAttribute("aria-hidden", "true");
+      cell.appendChild(bar);
+      return cell;
+    }
+
+    /*
+     * The table of steps for the chosen token, in the chosen direction. With
+     * scores: q.k, the scaled score, the mask (causal models), exp(s - max),
+     * and the softmax = exp / sum. As the query ("to") every row shares one
+     * sum, shown in a last row; as the key ("by") each row is another query's
+     * row of weights, with its own sum, shown in a column.
+     */
     function drawSteps(d, query) {
       var m = model();
       var v = view();
@@ -265,10 +311,17 @@
         columns.push(["q\u00b7k", "attention-explorer-score"]);
         columns.push(["\u00f7" + m.sqrtD, "attention-explorer-scaled"]);
         if (m.causal) columns.push(["mask", "attention-explorer-masked"]);
+        columns.push(["exp(s \u2212 max)", "attention-explorer-exp"]);
+        if (!to) columns.push(["row sum", "attention-explorer-sum"]);
       }
       columns.push([d.s ? "softmax" : "weight", "attention-explorer-value"]);
       columns.forEach(function (c) {
         var th = element("th", c[1], c[0]);
+        var bracket = c[0].indexOf("(");
+        if (bracket > 0) { // "exp(s - max)": the bracket may go to a line of its own, whole
+          th.textContent = c[0].slice(0, bracket);
+          th.appendChild(element("span", "attention-explorer-nowrap", c[0].slice(bracket)));
+        }
         th.scope = "col";
         head.appendChild(th);
       });
@@ -276,10 +329,13 @@
       thead.appendChild(head);
       table.appendChild(thead);
       var body = element("tbody");
+      var row0 = d.s && to ? softmaxSteps(m, d, v.layer, v.head, query) : null;
+      var total = 0;
       for (var other = 0; other < d.L; other++) {
         var i = to ? query : other; // the query of this cell
         var j = to ? other : query; // its key
         var w = d.w(v.layer, v.head, i, j);
+        total += w;
         var row = element("tr", "attention-explorer-row");
         row.dataset.token = String(other);
         row.dataset.weight = String(w);
@@ -289,6 +345,7 @@
         if (d.s) {
           var s = d.s(v.layer, v.head, i, j);
           var masked = m.causal && j > i;
+          var softmax = row0 || softmaxSteps(m, d, v.layer, v.head, i);
           row.dataset.score = String(s);
           row.appendChild(element("td", "attention-explorer-score", fixed(s, 2)));
           row.appendChild(element("td", "attention-explorer-scaled", fixed(s * m.scale, 2)));
@@ -297,13 +354,26 @@
             if (masked) row.classList.add("is-masked");
             row.appendChild(cell);
           }
+          row.appendChild(element("td", "attention-explorer-exp", softmax.exp[j].toFixed(3)));
+          if (!to) row.appendChild(element("td", "attention-explorer-sum", softmax.sum.toFixed(3)));
         }
-        var value = element("td", "attention-explorer-value", w.toFixed(3));
-        value.style.setProperty("--attention-weight", String(w));
-        row.appendChild(value);
+        row.appendChild(weightCell(w));
         body.appendChild(row);
       }
       table.appendChild(body);
+      if (row0) {
+        // the sum every exp of the row is divided by; the weights sum to 1
+        var foot = element("tfoot");
+        var sums = element("tr", "attention-explorer-total");
+        var name = element("th", "attention-explorer-label", "sum");
+        name.scope = "row";
+        sums.appendChild(name);
+        columns.slice(1, -2).forEach(function (c) { sums.appendChild(element("td", c[1], "")); });
+        sums.appendChild(element("td", "attention-explorer-exp", row0.sum.toFixed(3)));
+        sums.appendChild(element("td", "attention-explorer-value", total.toFixed(3)));
+        foot.appendChild(sums);
+        table.appendChild(foot);
+      }
       steps.appendChild(table);
     }
 
@@ -315,9 +385,12 @@
       if (m.layers.length > 1) where = m.layers[v.layer] + ", " + where;
       var word = "\u201c" + tokens[query] + "\u201d (token " + query + ")";
       var how = sentence().scores
-        ? " Each score is q\u00b7k, divided by " + m.sqrtD +
-          (m.causal ? ", set to " + MINUS_INFINITY + " where the key comes after the query (causal mask)" : "") +
-          "; the softmax turns a query's row of scores into weights that sum to 1."
+        ? " Each score s is q\u00b7k divided by " + m.sqrtD +
+          (m.causal ? ", or " + MINUS_INFINITY + " where the key comes after the query (the causal mask)" : "") +
+          ". The softmax takes exp(s \u2212 max), with max the largest score of the query's row, and divides " +
+          "it by the sum of the row" +
+          (state.direction === "to" ? " (the last line)" : " (each query has its own: the row sum column)") +
+          ": that is the weight."
         : "";
       if (state.direction === "to") {
         return where + ": where " + word + " attends, as the query; its weights sum to 1." + how;
@@ -326,7 +399,41 @@
         "of that query's own row, so this column need not sum to 1." + how;
     }
 
+    /* The chosen model's caption; none hides the paragraph. */
+    function drawCaption() {
+      if (!caption) return;
+      var text = model().caption || "";
+      if (caption.textContent !== text) caption.textContent = text;
+      caption.hidden = !text;
+    }
+
+    /*
+     * On a narrow screen the overview scrolls sideways in its own box: scroll
+     * that box (never the page) so that the chosen head shows beside the
+     * column of layer numbers, when it opens or when the chosen head changes.
+     */
+    function showChosenThumb(thumb) {
+      var key = state.drawnThumbs + "/" + thumb.dataset.layer + "/" + thumb.dataset.head;
+      if (state.shownThumb === key) return;
+      state.shownThumb = key;
+      if (thumbsBox.scrollWidth <= thumbsBox.clientWidth) return;
+      var axis = thumbsBox.querySelector(".attention-explorer-axis-layer");
+      var start = thumb.offsetLeft - (axis ? axis.offsetLeft + axis.offsetWidth : 0) - 4;
+      var end = thumb.offsetLeft + thumb.offsetWidth + 4;
+      if (start < thumbsBox.scrollLeft) thumbsBox.scrollLeft = start;
+      else if (end > thumbsBox.scrollLeft + thumbsBox.clientWidth) thumbsBox.scrollLeft = end - thumbsBox.clientWidth;
+    }
+
+    /* After a tap on a phone: bring the steps table into view, scrolling as little as needed. */
+    function revealSteps() {
+      var table = steps.querySelector("table");
+      if (!table || !window.matchMedia || !window.matchMedia(NARROW).matches) return;
+      var still = window.matchMedia("(prefers-reduced-motion: reduce)").matches;
+      table.scrollIntoView({ block: "nearest", behavior: still ? "auto" : "smooth" });
+    }
+
     function render() {
+      drawCaption();
       drawTokens();
       drawThumbs();
       var m = model();
@@ -343,6 +450,7 @@
         var selected = l === v.layer && h === v.head;
         thumb.setAttribute("aria-pressed", selected ? "true" : "false");
         thumb.tabIndex = selected ? 0 : -1; // one tab stop; arrows move between heads and layers
+        if (selected) showChosenThumb(thumb);
         var line = thumb.querySelector(".attention-explorer-thumb-row");
         line.setAttribute("visibility", query === null ? "hidden" : "visible");
         var at = query === null ? 0 : query;
@@ -398,7 +506,9 @@
 
     tokensBox.addEventListener("click", function (event) {
       var i = tokenIndex(event.target);
-      if (i !== null) chooseToken(i);
+      if (i === null) return;
+      chooseToken(i);
+      if (event.detail > 0) revealSteps(); // a tap or a click, not Enter or Space on a focused token
     });
     tokensBox.addEventListener("focusin", function (event) {
       var i = tokenIndex(event.target);

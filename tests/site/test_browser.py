@@ -251,3 +251,67 @@ def test_head_grids_show_two_heads_per_row_on_a_phone(browser, site_url: str, bu
         else:
             assert grid["perRow"] == min(grid["columns"], len(grid["labels"])), grid
             assert grid["smallest"] >= 11.0, f"head text renders at {grid['smallest']:.1f} px at 1280 px"
+
+
+def shows_wide_content(source: str) -> bool:
+    """Whether the page shows a figure (an SVG of attention_ref.viz) or a display formula."""
+    text = (DOCS / source).read_text()
+    return bool(re.search(r"to_svg\(|head_grid_html\(|map_slider_html\(|^\s*\$\$|^\s*\\\[", text, re.M))
+
+
+WIDE_CONTENT = """() => {
+  const smallestText = (svg) => {
+    let smallest = Infinity;
+    for (const t of svg.querySelectorAll('text')) {
+      if (!t.getClientRects().length || !t.textContent.trim()) continue;
+      const m = t.getScreenCTM();
+      smallest = Math.min(smallest, parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b));
+    }
+    return smallest;
+  };
+  const box = (el, what) => {
+    const r = el.getBoundingClientRect();
+    return {what, wider: el.scrollWidth > el.clientWidth + 1, marked: el.classList.contains('ar-wide'),
+            scrolls: ['auto', 'scroll'].includes(getComputedStyle(el).overflowX),
+            note: getComputedStyle(el, '::after').content, left: r.left, right: r.right};
+  };
+  return {
+    figures: [...document.querySelectorAll('article svg.ar-figure')].map(svg => ({
+      label: svg.getAttribute('aria-label').slice(0, 60), smallest: smallestText(svg),
+      box: box(svg.closest('figure.ar-figure-box'), svg.getAttribute('aria-label').slice(0, 60))})),
+    formulas: [...document.querySelectorAll('article div.arithmatex')].map(
+      d => box(d, d.querySelector('annotation')?.textContent.trim().slice(0, 60) || '?')),
+    pageWidth: document.documentElement.scrollWidth,
+  };
+}"""
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if shows_wide_content(s)])
+@pytest.mark.parametrize("width", [390, 1280])
+def test_figure_text_is_readable_and_wide_content_scrolls_in_its_own_box(browser, site_url: str,
+                                                                         built_site: Path, source: str,
+                                                                         width: int):
+    """At 390 px (a phone) and 1280 px, every figure's smallest text renders at 9 px or more (up to
+    layout rounding), and a figure or display formula wider than the column scrolls sideways inside
+    its own box, which says so under it; the page itself never scrolls sideways."""
+    built_page(built_site, source)
+    context = browser.new_context(viewport={"width": width, "height": 844})
+    try:
+        screen = context.new_page()
+        screen.goto(site_url + page_path(source))
+        screen.wait_for_load_state("networkidle")
+        shown = screen.evaluate(WIDE_CONTENT)
+    finally:
+        context.close()
+    small = [(f["label"], round(f["smallest"], 2)) for f in shown["figures"] if f["smallest"] < 9.0 - 0.01]
+    assert not small, f"{source} at {width} px: figure text below 9 px: {small}"
+    boxes = [f["box"] for f in shown["figures"]] + shown["formulas"]
+    assert boxes, f"{source}: no figure and no display formula found"
+    for b in boxes:
+        assert b["left"] >= -1 and b["right"] <= width + 1, f"{b['what']!r} ends outside the screen: {b}"
+        if b["wider"]:
+            assert b["scrolls"] and b["marked"], f"{b['what']!r} is cut or scrolls unannounced: {b}"
+            assert "Swipe sideways" in b["note"], b
+        else:
+            assert not b["marked"], f"{b['what']!r} fits but says to swipe: {b}"
+    assert shown["pageWidth"] <= width, f"{source} scrolls sideways at {width} px"

@@ -1,11 +1,13 @@
 """The attention explorer on the intuition page, driven in headless Chromium.
 
-Every number the explorer shows (q.k, the scaled score, the causal mask, the softmax) after a
-click, the direction toggle, a model, sentence, layer or head switch, a thumbnail click or a
-keyboard move must equal the JSON that attention_ref embedded in the page when the site was
-built; that JSON must equal the package's own computation (the softmax of the scaled scores is
-the weights, and the weights are all-MiniLM-L6-v2's); the explorer must fit a 390 px phone and
-keep working after Material's instant navigation.
+Every number the explorer shows (q.k, the scaled score, the causal mask, exp(s - max), the sum
+and the softmax) after a click, the direction toggle, a model, sentence, layer or head switch, a
+thumbnail click or a keyboard move must equal the JSON that attention_ref embedded in the page
+when the site was built, and each weight shown must be its exp divided by its sum; that JSON
+must equal the package's own computation (the softmax of the scaled scores is the weights, and
+the weights are all-MiniLM-L6-v2's); the caption must follow the model chosen; the explorer must
+fit a 390 px phone (no cell cut, tap targets of 44 px, the table brought into view after a tap)
+and keep working after Material's instant navigation.
 Fixtures (``site_url``, ``page``) come from tests/site/conftest.py.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -23,6 +26,11 @@ TOKEN = "button.attention-explorer-token"
 THUMB = "button.attention-explorer-thumb"
 ROW = "tr.attention-explorer-row"
 MINUS = "\u2212"
+ROUNDING = 5e-4  # the table shows 3 decimals
+# The exps come from the embedded scores (in steps of 0.01), the weights from the embedded
+# weights (steps of 1e-4): softmax of the first differs from the second by up to 4.3e-4 here.
+QUANTISED = 5e-4
+PHONE = {"width": 390, "height": 844}
 
 
 def open_explorer(page, site_url: str):
@@ -60,7 +68,44 @@ def menu(explorer, kind: str) -> int:
 def table(explorer) -> dict[str, list[str]]:
     rows = explorer.locator(ROW)
     return {c: rows.locator(f".attention-explorer-{c}").all_text_contents()
-            for c in ("label", "score", "scaled", "masked", "value")}
+            for c in ("label", "score", "scaled", "masked", "exp", "sum", "value")}
+
+
+def softmax_steps(model: dict, scores: np.ndarray, layer: int, head: int, query: int):
+    """exp(s - max) for every key of one query's row, and their sum, from the embedded q.k."""
+    s = scores[layer, head, query] * model["scale"]
+    if model["causal"]:
+        s = np.where(np.arange(len(s)) <= query, s, -np.inf)  # True = takes part
+    e = np.exp(s - s.max())
+    return e, e.sum()
+
+
+def check_exp_over_sum(explorer, data, model: int, sentence: int, layer: int, head: int, token: int, to=True):
+    """The exp and sum columns (or the sum row) are the JSON's, and weight = exp / sum to rounding."""
+    m = data["models"][model]
+    w, scores = unpack(m, m["sentences"][sentence])
+    shown = table(explorer)
+    L = len(shown["label"])
+    exp = np.array(shown["exp"], float)
+    weight = np.array(shown["value"], float)
+    if to:
+        e, total = softmax_steps(m, scores, layer, head, token)
+        assert shown["sum"] == []  # one sum for the whole row: the last line
+        total_row = explorer.locator("tr.attention-explorer-total")
+        sums = np.full(L, float(total_row.locator(".attention-explorer-exp").text_content()))
+        assert abs(sums[0] - total) <= ROUNDING + 1e-9, (sums[0], total)
+        assert total_row.locator(".attention-explorer-value").text_content() == f"{w[layer, head, token].sum():.3f}"
+    else:
+        rows = [softmax_steps(m, scores, layer, head, i) for i in range(L)]  # each query its own row
+        e = np.array([r[0][token] for r in rows])
+        total = np.array([r[1] for r in rows])
+        sums = np.array(shown["sum"], float)
+        np.testing.assert_allclose(sums, total, atol=ROUNDING + 1e-9, rtol=0)
+        assert explorer.locator("tr.attention-explorer-total").count() == 0
+    np.testing.assert_allclose(exp, e, atol=ROUNDING + 1e-9, rtol=0)
+    # what a reader checks by hand: the weight shown is the exp shown over the sum shown
+    tolerance = ROUNDING + (ROUNDING + exp / sums * ROUNDING) / (sums - ROUNDING) + QUANTISED
+    assert np.all(np.abs(weight - exp / sums) <= tolerance), np.abs(weight - exp / sums) - tolerance
 
 
 def assert_shows(explorer, data, model: int, sentence: int, layer: int, head: int, token: int, to=True):
@@ -97,6 +142,7 @@ def assert_shows(explorer, data, model: int, sentence: int, layer: int, head: in
                                        for x, f in zip(qk, future)]
         else:
             assert shown["masked"] == []
+        check_exp_over_sum(explorer, data, model, sentence, layer, head, token, to)
 
 
 def test_the_numbers_are_the_packages(page, site_url):
@@ -294,6 +340,239 @@ def test_explorer_fits_the_column(page, site_url, width):
         )
         assert sizes["overflow"] <= 0 and sizes["page"] <= 0, sizes
         assert sizes["cells"] == [], sizes["cells"]  # no number or header cut off
-        assert min(sizes["thumbs"]) >= 18, sizes["thumbs"]  # 12 heads a row on a phone
+        assert min(sizes["thumbs"]) >= 40, sizes["thumbs"]  # a 44 px button around each map
         assert min(sizes["text"]) >= 11, sizes["text"]
+    assert page.console_errors == []
+
+
+# --- what a reader sees: captions, cut cells, bars, tap targets, the table after a tap, exp / sum ---
+
+
+def switch(explorer, kind: str, value: int):
+    explorer.locator(f"select.attention-explorer-{kind}").select_option(str(value))
+
+
+def test_the_caption_follows_the_model(page, site_url):
+    """The page captions the encoder only: the causal model must not show the encoder's caption."""
+    explorer, data = open_explorer(page, site_url)
+    caption = explorer.locator(".attention-explorer-caption")
+    first = data["models"][0].get("caption")
+    assert first and "all-MiniLM-L6-v2" in first
+    assert caption.is_visible() and caption.text_content() == first
+    switch(explorer, "model", 1)
+    other = data["models"][1].get("caption")
+    if other:
+        assert caption.is_visible() and caption.text_content() == other
+    else:
+        assert not caption.is_visible()  # no caption rather than the encoder's
+    assert not (caption.is_visible() and "MiniLM" in caption.text_content())
+    switch(explorer, "model", 0)
+    assert caption.is_visible() and caption.text_content() == first
+    assert page.console_errors == []
+
+
+def test_each_model_can_have_its_own_caption(page, site_url):
+    """explorer_html takes a caption per model (other_models); the script swaps them."""
+    viz = pytest.importorskip("attention_ref.viz")
+    one = np.eye(3)[None]  # (H, L, L) = (1, 3, 3): each token on itself
+    spec = {"sentences": {"x y z": (["x", "y", "z"], one)}}
+    fragment = viz.explorer_html(["a", "b", "c"], one, caption="The first model.", element_id="cap",
+                                 other_models={"second": {**spec, "caption": "The second model."},
+                                               "third": spec})
+    page.set_content(f"<!doctype html><html><body>{fragment}</body></html>")
+    page.add_script_tag(url=urllib.parse.urljoin(site_url, "javascripts/explorer.js"))
+    page.wait_for_function("document.getElementById('cap').dataset.explorerReady === 'true'")
+    caption = page.locator("#cap .attention-explorer-caption")
+    shown = []
+    for model in (0, 1, 2, 0):
+        switch(page.locator("#cap"), "model", model)
+        shown.append(caption.text_content() if caption.is_visible() else None)
+    assert shown == ["The first model.", "The second model.", None, "The first model."]
+    # a first model without a caption: the paragraph is there, hidden, for the others'
+    fragment = viz.explorer_html(["a", "b", "c"], one, other_models={"second": {**spec, "caption": "Two."}})
+    assert '<p class="attention-explorer-caption" hidden></p>' in fragment
+    assert "attention-explorer-caption" not in viz.explorer_html(["a", "b", "c"], one)
+    with pytest.raises(TypeError, match=r"other_models\['second'\] caption must be a str or None, got int"):
+        viz.explorer_html(["a", "b", "c"], one, other_models={"second": {**spec, "caption": 1}})
+    assert page.console_errors == []
+
+
+def views(data):
+    """(model, sentence, token) for the first, a middle and the last token of every sentence."""
+    for m, model in enumerate(data["models"]):
+        for s, sentence in enumerate(model["sentences"]):
+            L = len(sentence["tokens"])
+            for token in sorted({0, L // 2, L - 1}):
+                yield m, s, token
+
+
+@pytest.mark.parametrize("width", [390, 1280])
+def test_no_cell_is_cut(page, site_url, width):
+    """Every cell of the steps table shows all of its text, for every sentence, both directions."""
+    page.set_viewport_size({"width": width, "height": 900})
+    explorer, data = open_explorer(page, site_url)
+    cut, seen = [], 0
+    for m, s, token in views(data):
+        if menu(explorer, "model") != m:
+            switch(explorer, "model", m)
+        if menu(explorer, "sentence") != s:
+            switch(explorer, "sentence", s)
+        explorer.locator(TOKEN).nth(token).click()
+        for direction in ("to", "by"):
+            explorer.locator(f".attention-explorer-direction-button[data-direction='{direction}']").click()
+            cells = explorer.evaluate(
+                """el => [...el.querySelectorAll('table.attention-explorer-table tr > *')].map(
+                    c => [c.textContent, c.scrollWidth - c.clientWidth])""")
+            seen += len(cells)
+            cut += [(m, s, token, direction, text, over) for text, over in cells if over > 1]
+        sizes = page.evaluate("() => [document.documentElement.scrollWidth, innerWidth]")
+        assert sizes[0] <= sizes[1], sizes  # the page never scrolls sideways
+    assert seen > 1000 and cut == [], cut
+    assert page.console_errors == []
+
+
+@pytest.mark.parametrize("width", [390, 1280])
+def test_the_weight_bar_leaves_the_digits_readable(page, site_url, width):
+    """The bar of a weight is drawn beside or under its digits, never over them."""
+    page.set_viewport_size({"width": width, "height": 900})
+    explorer, data = open_explorer(page, site_url)
+    boxes = []
+    for token in range(len(data["models"][0]["sentences"][0]["tokens"])):
+        explorer.locator(TOKEN).nth(token).click()
+        boxes += explorer.evaluate(
+            """el => [...el.querySelectorAll('tr.attention-explorer-row td.attention-explorer-value')].map(c => {
+                const w = Number(c.closest('tr').dataset.weight);
+                const bar = c.querySelector('.attention-explorer-bar');
+                let b = bar && bar.getBoundingClientRect();
+                if (!bar && getComputedStyle(c).backgroundImage !== 'none') {  // a bar painted in the cell
+                    const r = c.getBoundingClientRect();
+                    b = {left: r.left, right: r.left + w * r.width, top: r.top, bottom: r.bottom};
+                }
+                const range = document.createRange();
+                range.selectNodeContents(c.querySelector('.attention-explorer-number') || c);
+                const d = range.getBoundingClientRect();
+                return {w, text: c.textContent, bar: b && [b.left, b.right, b.top, b.bottom],
+                        digits: [d.left, d.right, d.top, d.bottom]};
+            })""")
+    strong = [b for b in boxes if b["w"] > 0.45]
+    assert strong, "no weight above 0.45 to check"
+    for b in strong:
+        assert b["bar"] is not None, b
+        (bl, br, bt, bb), (dl, dr, dt, db) = b["bar"], b["digits"]
+        assert br - bl > 0 and dr - dl > 0, b
+        apart = br <= dl or dr <= bl or bb <= dt or db <= bt
+        assert apart, f"the bar covers the digits {b['text']}: bar {b['bar']}, digits {b['digits']}"
+    assert page.console_errors == []
+
+
+@pytest.mark.parametrize("width", [390, 1280])
+def test_the_overview_has_tap_targets(page, site_url, width):
+    """Every head's map is a button of at least 44 x 44 px; on a phone the overview scrolls in its
+    own box (the page never sideways), showing the head that is open."""
+    page.set_viewport_size({"width": width, "height": 844})
+    explorer, data = open_explorer(page, site_url)
+    for model in (0, 1):
+        switch(explorer, "model", model)
+        sizes = explorer.evaluate(
+            """el => {
+                const box = el.querySelector('.attention-explorer-thumbs').getBoundingClientRect();
+                const open = el.querySelector("button.attention-explorer-thumb[aria-pressed='true']")
+                    .getBoundingClientRect();
+                const axis = el.querySelector('.attention-explorer-axis-layer').getBoundingClientRect();
+                return {
+                    buttons: [...el.querySelectorAll('button.attention-explorer-thumb')].map(b => {
+                        const r = b.getBoundingClientRect(); return [r.width, r.height]; }),
+                    page: document.documentElement.scrollWidth,
+                    open: open.left >= axis.right - 1 && open.right <= box.right + 1,
+                };
+            }""")
+        assert len(sizes["buttons"]) == len(data["models"][model]["layers"]) * len(data["models"][model]["heads"])
+        assert min(min(wh) for wh in sizes["buttons"]) >= 44, sizes["buttons"]
+        assert sizes["page"] <= width, sizes["page"]
+        assert sizes["open"], "the head that is open is scrolled out of the overview's box"
+    switch(explorer, "model", 0)
+    last = explorer.locator(f"{THUMB}[data-layer='5'][data-head='11']")
+    last.scroll_into_view_if_needed()  # scrolls the overview's own box on a phone
+    last.click()
+    assert (menu(explorer, "layer"), menu(explorer, "head")) == (5, 11)
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    assert page.console_errors == []
+
+
+@pytest.fixture
+def phone(browser, site_url):
+    """A 390 x 844 touch screen, offline as the ``page`` fixture."""
+    context = browser.new_context(viewport=PHONE, has_touch=True, is_mobile=True)
+    phone = context.new_page()
+    phone.set_default_timeout(15_000)
+    phone.console_errors = []
+    local = urllib.parse.urlsplit(site_url).netloc
+    phone.on("pageerror", lambda error: phone.console_errors.append(f"uncaught: {error}"))
+    phone.route("**/*", lambda route: route.continue_() if urllib.parse.urlsplit(route.request.url).netloc
+                == local else route.abort())
+    yield phone
+    context.close()
+
+
+def _table_in_view(page) -> dict:
+    return page.evaluate(
+        """() => {
+            const rows = [...document.querySelectorAll('table.attention-explorer-table tr')];
+            const header = document.querySelector('.md-header').getBoundingClientRect().bottom;
+            return {top: rows[0].getBoundingClientRect().top, third: rows[3].getBoundingClientRect().bottom,
+                    header, height: innerHeight, y: scrollY};
+        }""")
+
+
+def test_a_tap_on_a_phone_brings_the_table_into_view(phone, site_url):
+    explorer, data = open_explorer(phone, site_url)
+    for sentence, token in ((0, 1), (1, 7)):
+        switch(explorer, "sentence", sentence)
+        # the tokens at the bottom of the screen: the table below the fold
+        phone.evaluate("""() => { const t = document.querySelector('.attention-explorer-tokens');
+            window.scrollBy(0, t.getBoundingClientRect().bottom - innerHeight + 20); }""")
+        before = _table_in_view(phone)
+        assert before["top"] > before["height"], before
+        explorer.locator(TOKEN).nth(token).tap()
+        phone.wait_for_function(
+            """() => { const t = document.querySelector('table.attention-explorer-table').rows;
+                const h = document.querySelector('.md-header').getBoundingClientRect().bottom;
+                return t[0].getBoundingClientRect().top >= h - 1
+                    && t[3].getBoundingClientRect().bottom <= innerHeight; }""")
+        after = _table_in_view(phone)  # the head of the table and its first three rows
+        assert after["header"] - 1 <= after["top"] and after["third"] <= after["height"], after
+        assert explorer.locator(f"{TOKEN}[aria-pressed='true']").get_attribute("data-index") == str(token)
+    assert phone.console_errors == []
+
+
+def test_a_click_on_a_wide_screen_does_not_scroll(page, site_url):
+    page.set_viewport_size({"width": 1280, "height": 900})
+    explorer, _ = open_explorer(page, site_url)
+    page.evaluate("""() => { const t = document.querySelector('.attention-explorer-tokens');
+        window.scrollBy(0, t.getBoundingClientRect().bottom - innerHeight + 20); }""")
+    y = page.evaluate("scrollY")
+    explorer.locator(TOKEN).nth(1).click()
+    page.wait_for_timeout(500)
+    assert page.evaluate("scrollY") == y
+
+
+def test_each_weight_is_its_exp_over_the_sum(page, site_url):
+    """For every row shown, weight = exp(s - max) / sum with the numbers shown, all from the JSON."""
+    explorer, data = open_explorer(page, site_url)
+    layer, head = data["start"]["layer"], data["start"]["head"]
+    for m, s, token in views(data):
+        if menu(explorer, "model") != m:
+            switch(explorer, "model", m)
+            if m == 0:
+                layer, head = menu(explorer, "layer"), menu(explorer, "head")
+        if menu(explorer, "sentence") != s:
+            switch(explorer, "sentence", s)
+        l, h = (layer, head) if m == 0 else (0, 0)
+        explorer.locator(TOKEN).nth(token).click()
+        for to in (True, False):
+            explorer.locator(".attention-explorer-direction-button[data-direction='%s']"
+                             % ("to" if to else "by")).click()
+            check_exp_over_sum(explorer, data, m, s, l, h, token, to)
+    headers = explorer.locator("table.attention-explorer-table thead th").all_text_contents()
+    assert "exp(s \u2212 max)" in headers and "row sum" in headers  # "is attended by": a sum per row
     assert page.console_errors == []
