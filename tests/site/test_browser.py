@@ -254,9 +254,10 @@ def test_head_grids_show_two_heads_per_row_on_a_phone(browser, site_url: str, bu
 
 
 def shows_wide_content(source: str) -> bool:
-    """Whether the page shows a figure (an SVG of attention_ref.viz) or a display formula."""
+    """Whether the page shows a figure (an SVG of attention_ref.viz), a display formula or a table."""
     text = (DOCS / source).read_text()
-    return bool(re.search(r"to_svg\(|head_grid_html\(|map_slider_html\(|^\s*\$\$|^\s*\\\[", text, re.M))
+    return bool(re.search(r"to_svg\(|head_grid_html\(|map_slider_html\(|^\s*\$\$|^\s*\\\[|^\s*\|.*\|\s*$",
+                          text, re.M))
 
 
 WIDE_CONTENT = """() => {
@@ -281,6 +282,12 @@ WIDE_CONTENT = """() => {
       box: box(svg.closest('figure.ar-figure-box'), svg.getAttribute('aria-label').slice(0, 60))})),
     formulas: [...document.querySelectorAll('article div.arithmatex')].map(
       d => box(d, d.querySelector('annotation')?.textContent.trim().slice(0, 60) || '?')),
+    tables: [...document.querySelectorAll('article table')].map(t => {
+      const wrap = t.closest('.md-typeset__scrollwrap');
+      return {what: t.textContent.trim().slice(0, 60), right: t.getBoundingClientRect().right,
+              wrapRight: wrap ? wrap.getBoundingClientRect().right : null,
+              scrolls: !!wrap && ['auto', 'scroll'].includes(getComputedStyle(wrap).overflowX)};
+    }),
     pageWidth: document.documentElement.scrollWidth,
   };
 }"""
@@ -293,7 +300,8 @@ def test_figure_text_is_readable_and_wide_content_scrolls_in_its_own_box(browser
                                                                          width: int):
     """At 390 px (a phone) and 1280 px, every figure's smallest text renders at 9 px or more (up to
     layout rounding), and a figure or display formula wider than the column scrolls sideways inside
-    its own box, which says so under it; the page itself never scrolls sideways."""
+    its own box, which says so under it; a wider table scrolls in its own box too; the page itself
+    never scrolls sideways."""
     built_page(built_site, source)
     context = browser.new_context(viewport={"width": width, "height": 844})
     try:
@@ -306,7 +314,7 @@ def test_figure_text_is_readable_and_wide_content_scrolls_in_its_own_box(browser
     small = [(f["label"], round(f["smallest"], 2)) for f in shown["figures"] if f["smallest"] < 9.0 - 0.01]
     assert not small, f"{source} at {width} px: figure text below 9 px: {small}"
     boxes = [f["box"] for f in shown["figures"]] + shown["formulas"]
-    assert boxes, f"{source}: no figure and no display formula found"
+    assert boxes or shown["tables"], f"{source}: no figure, display formula or table found"
     for b in boxes:
         assert b["left"] >= -1 and b["right"] <= width + 1, f"{b['what']!r} ends outside the screen: {b}"
         if b["wider"]:
@@ -314,4 +322,7 @@ def test_figure_text_is_readable_and_wide_content_scrolls_in_its_own_box(browser
             assert "Swipe sideways" in b["note"], b
         else:
             assert not b["marked"], f"{b['what']!r} fits but says to swipe: {b}"
+    for t in shown["tables"]:  # Material puts each table in a box of its own that scrolls
+        if t["right"] > width:
+            assert t["scrolls"] and t["wrapRight"] <= width + 1, f"table {t['what']!r} is cut: {t}"
     assert shown["pageWidth"] <= width, f"{source} scrolls sideways at {width} px"
