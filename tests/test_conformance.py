@@ -62,7 +62,7 @@ EXPECTED = {
 
 def test_the_matrix_sizes_and_ids():
     quick, full = matrix("quick"), matrix("full")
-    assert (len(quick), len(full)) == (88, 324)
+    assert (len(quick), len(full)) == (90, 336)
     assert len({c.id for c in full}) == len(full)  # every id names one case
     assert {c.id for c in quick} <= {c.id for c in full}  # a quick case reruns by its id in full
     assert quick[0].id == "plain-float32-fwd-small"
@@ -211,7 +211,8 @@ PLANTED = {
     "gqa heads repeated, not interleaved": (_wrong_gqa_order, "bhld", {"gqa"},
                                             ("gqa", "likely cause: the key and value heads in the wrong GQA order")),
     "bottom-right causal taken as top-left": (lambda p: _sdpa(p, is_causal=p.causal is not None), "bhld",
-                                              {"causal_bottom_right", "causal_bottom_right_tall"}, None),
+                                              {"causal_bottom_right", "causal_bottom_right_tall",
+                                               "gqa_bottom_right"}, None),
     "bool mask inverted": (_inverted_bool_mask, "bhld", BOOL_MASKS,
                            ("bool_mask", "likely cause: the boolean attn_mask is inverted")),
     "output not transposed back": (_transposed_back_forgotten, "blhd", None, None),
@@ -425,8 +426,8 @@ def test_the_full_run_script_writes_json_with_provenance(tmp_path):
     record = json.loads(out.read_text())
     assert record["provenance"]["command"] == "python benchmarks/conformance_full.py " + " ".join(argv)
     assert record["provenance"]["versions"]["torch"] == torch.__version__ and "git_commit" in record["provenance"]
-    assert record["config"]["cases"] == 88
-    assert record["summary"]["attention_ref-tiled"]["passed"] == 88
+    assert record["config"]["cases"] == 90
+    assert record["summary"]["attention_ref-tiled"]["passed"] == 90
 
 
 def _conformance_full():

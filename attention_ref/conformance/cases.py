@@ -416,6 +416,11 @@ def _gqa(z, g):
     return {**_qkv(z, g, H=H, Hkv=Hkv), "causal": "top_left"}
 
 
+def _gqa_bottom_right(z, g):
+    H, Hkv = z.gqa
+    return {**_qkv(z, g, H=H, Hkv=Hkv), "causal": "bottom_right"}  # L < S: FlashAttention's causal=True
+
+
 def _mqa(z, g):
     return _qkv(z, g, H=z.mqa, Hkv=1)
 
@@ -598,6 +603,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     _scenario("scale", _scale, {"scale"}, "scale=0.3"),
     _scenario("value_dim", _value_dim, {"value_dim"}, "Ev = E / 2"),
     _scenario("gqa", _gqa, {"gqa", "causal"}, "grouped-query heads, causal", low_precision_in_quick=True),
+    _scenario("gqa_bottom_right", _gqa_bottom_right, {"gqa", "causal_bottom_right"},
+              "grouped-query heads, causal bottom-right (a FlashAttention-style kernel's GQA case)"),
     _scenario("mqa", _mqa, {"mqa"}, "one key/value head"),
     _scenario("key_padding", _key_padding, {"key_padding"}, "bool (B, 1, 1, S) key padding"),
     _scenario("bool_mask", _bool_mask, {"bool_mask"}, "bool (B, H, L, S), per head",

@@ -7,11 +7,11 @@
  * query) or "is attended by" (its column: it is the key). The tokens are
  * shaded by weight, and a table gives, for every other token, the steps that
  * made the weight: q.k, the scaled score, the causal mask (when the model has
- * one), exp(score - max) and the softmax, with the sum each exp is divided by
- * (a last row for the chosen query; a column when each row is another query's),
- * so that weight = exp / sum can be checked by hand. On a phone a tap on a
- * token brings the table into view. Menus switch the model, the sentence, the layer and
- * the head; an overview of every layer x head (one small heatmap per head,
+ * one), exp(score - max) and the softmax, with the sum each exp is divided
+ * by (a last row for the chosen query; a column when each row is another
+ * query's), so that weight = exp / sum can be checked by hand. On a phone a
+ * tap on a token brings the table into view. Menus switch the model, the
+ * sentence, the layer and the head; an overview of every layer x head (one small heatmap per head,
  * drawn here as inline SVG, each shaded to its own largest weight) opens a
  * head when clicked and outlines the chosen token's row or column.
  *

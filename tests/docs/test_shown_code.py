@@ -1,4 +1,6 @@
-"""A reader who copies the code a page shows, block by block, gets the output the page prints.
+"""A reader who copies the code a page shows, block by block, gets the output the page prints,
+from a folder of their own (not the checkout: a page reads committed files through
+`attention_ref.measured`, never a path relative to the working directory).
 
 Every executed block may hide lines from the reader (``# markdown-exec: hide``: the asserts
 that keep the page honest, figure styling). Hidden lines must not change what the page prints
@@ -91,18 +93,24 @@ def describe(output: str) -> str:
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.chdir(ROOT)
+def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     blocks = fences.find_blocks(ROOT / page)
-    full = run_page(blocks, shown=False, seed=1)
-    shown = run_page(blocks, shown=True, seed=2)  # a page seeds what it draws
+
+    def run(shown: bool, seed: int) -> list[str]:
+        # the page as the site builds it, from the checkout; the shown code as a reader runs
+        # it, from an empty folder of their own (a path into the checkout fails there)
+        monkeypatch.chdir(tmp_path if shown else ROOT)
+        return run_page(blocks, shown=shown, seed=seed)
+
+    full = run(False, seed=1)
+    shown = run(True, seed=2)  # a page seeds what it draws
     differ = [i for i, (a, b) in enumerate(zip(full, shown)) if not same_output(a, b)]
     if not differ:
         return
     # A block that prints a measurement (a time, a slope fitted to times) may print the same
     # twice by chance: it varies if either version, run again, prints something else.
-    again = run_page(blocks, shown=False, seed=1)
-    shown_again = run_page(blocks, shown=True, seed=2)
+    again = run(False, seed=1)
+    shown_again = run(True, seed=2)
     varying = [i for i in differ if again[i] != full[i] or shown_again[i] != shown[i]]
     wrong = [i for i in differ if i not in varying]
     report = [f"{page}:{blocks[i].line}: printed\n{describe(full[i])}\n"

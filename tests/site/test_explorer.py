@@ -525,7 +525,7 @@ def _table_in_view(page) -> dict:
 
 
 def test_a_tap_on_a_phone_brings_the_table_into_view(phone, site_url):
-    explorer, data = open_explorer(phone, site_url)
+    explorer, _ = open_explorer(phone, site_url)
     for sentence, token in ((0, 1), (1, 7)):
         switch(explorer, "sentence", sentence)
         # the tokens at the bottom of the screen: the table below the fold
@@ -559,15 +559,12 @@ def test_a_click_on_a_wide_screen_does_not_scroll(page, site_url):
 def test_each_weight_is_its_exp_over_the_sum(page, site_url):
     """For every row shown, weight = exp(s - max) / sum with the numbers shown, all from the JSON."""
     explorer, data = open_explorer(page, site_url)
-    layer, head = data["start"]["layer"], data["start"]["head"]
     for m, s, token in views(data):
         if menu(explorer, "model") != m:
             switch(explorer, "model", m)
-            if m == 0:
-                layer, head = menu(explorer, "layer"), menu(explorer, "head")
         if menu(explorer, "sentence") != s:
             switch(explorer, "sentence", s)
-        l, h = (layer, head) if m == 0 else (0, 0)
+        l, h = menu(explorer, "layer"), menu(explorer, "head")  # the encoder's opening head; the decoder's one
         explorer.locator(TOKEN).nth(token).click()
         for to in (True, False):
             explorer.locator(".attention-explorer-direction-button[data-direction='%s']"
