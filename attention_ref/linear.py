@@ -118,7 +118,7 @@ L2NORM_EPS = 1e-6
 """The ``eps`` of `l2_normalize`, inside the square root (fla and transformers use 1e-6)."""
 
 _DELTA_MODES = ("recurrent", "chunked")
-_QUADRATIC_MODES = ("recurrent", "quadratic")
+_GLA_MODES = ("recurrent", "quadratic", "chunked")
 
 
 # --- argument checks -----------------------------------------------------------------------------
@@ -432,6 +432,34 @@ def _gated_linear_quadratic(q, k, v, g, state, out):
     return gamma[:, :, -1:].exp() * state + (k * to_end).transpose(-1, -2) @ v  # (B, Hv, E, L) x (B, Hv, L, Ev)
 
 
+def _gated_linear_chunked(q, k, v, g, state, out, chunk_size):
+    """Gated linear attention chunk by chunk: the quadratic form inside each chunk of ``chunk_size``
+    tokens, the state from one chunk to the next. Equal to `_delta_rule_recurrent` without ``beta``.
+
+    q, k: ``(B, Hv, L, E)``; v: ``(B, Hv, L, Ev)``; g: ``(B, Hv, L, 1 or E)`` log decay (one per head or
+    one per key channel); state ``(B, Hv, E, Ev)``; out: ``(B, Hv, L, Ev)``, filled. The last chunk is
+    shorter when ``chunk_size`` does not divide ``L``. Returns the state after the last token.
+    """
+    L = q.shape[2]
+    for start in range(0, L, chunk_size):
+        stop = min(start + chunk_size, L)
+        qc, kc, vc, gc = (x[:, :, start:stop] for x in (q, k, v, g))  # (B, Hv, c, .)
+        gamma = gc.cumsum(dim=-2)  # (B, Hv, c, 1 or E): log decay from the chunk's entry to token i
+        # exp(Gamma_i - Gamma_j) from the differences while the chunk's log decay is moderate, else
+        # segment by segment (as `_chunk_systems`: no NaN after a gate of -inf, no precision lost)
+        moderate = gamma.is_meta or bool((gamma[..., -1:, :] >= _DIFFERENCE_FLOOR).all())
+        decay = _decay(gamma) if moderate else _segment_decay(gc)  # (B, Hv, c, c, 1 or E)
+        scores = _decayed_scores(qc, kc, decay)  # (B, Hv, c, c)
+        # within the chunk, plus the entry state's share: (B, Hv, c, c) x (B, Hv, c, Ev) + (B, Hv, c, E) x (E, Ev)
+        out[:, :, start:stop] = scores @ vc + (qc * gamma.exp()) @ state
+        # each write's log decay to the chunk's end, g_{i+1} + ... + g_c, summed from the end
+        to_end = torch.cat([gc[..., 1:, :].flip(-2).cumsum(dim=-2).flip(-2), torch.zeros_like(gc[..., :1, :])],
+                           dim=-2)  # (B, Hv, c, 1 or E)
+        # rows of the state (key channels) decay by the whole chunk's gate: (B, Hv, 1 or E, 1) * (B, Hv, E, Ev)
+        state = gamma[..., -1:, :].exp().transpose(-1, -2) * state + (kc * to_end.exp()).transpose(-1, -2) @ vc
+    return state
+
+
 # --- dispatch: layouts, heads, dtypes, packed sequences ------------------------------------------
 
 
@@ -725,7 +753,13 @@ def _gated_linear_recurrent(q, k, v, g, state, out):
 
 
 def _quadratic_form(q, k, v, g, state, out):
-    return _gated_linear_quadratic(q, k, v, g[..., 0], state, out)  # g: (B, Hv, L, 1) -> (B, Hv, L)
+    if g.shape[-1] == 1:
+        return _gated_linear_quadratic(q, k, v, g[..., 0], state, out)  # g: (B, Hv, L, 1) -> (B, Hv, L)
+    # one decay per key channel: the chunked form with the whole sequence as one chunk
+    B, Hv, L, E = q.shape
+    check_dense("the quadratic form", (B, Hv, L, L, E), q.dtype, q.device,
+                noun="the (B, Hv, L, L, E) decay of each channel", instead="mode='chunked' bounds it by chunk_size")
+    return _gated_linear_chunked(q, k, v, g, state, out, max(L, 1))
 
 
 def gated_linear_attention(
@@ -737,10 +771,12 @@ def gated_linear_attention(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     mode: str = "recurrent",
+    chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    r"""Causal linear attention with a scalar decay per head (fla's ``simple_gla``; SSD's core).
+    r"""Causal linear attention with a decay per head (fla's ``simple_gla``; SSD's core) or per key
+    channel (fla's ``gla``, [Yang et al. 2024](https://arxiv.org/abs/2312.06635)).
 
     $$
     S_t = e^{g_t} S_{t-1} + k_t v_t^\top, \qquad o_t = S_t^\top q_t
@@ -749,21 +785,29 @@ def gated_linear_attention(
     \mathcal{L}_{ij} = e^{g_{j+1} + \dots + g_i}\ (j \le i), \ 0\ (j > i),
     $$
 
-    plus ``(Q * exp(Gamma)) S_0`` for an initial state. ``mode="recurrent"`` runs the
-    loop, ``mode="quadratic"`` the matrix form (``L x L`` scores, like softmax
-    attention without the softmax). No normalisation of ``q`` and ``k``. It is
-    `gated_delta_rule` without the delta term, and its limit for ``beta -> 0``:
-    ``gated_delta_rule(..., beta=eps) / eps -> gated_linear_attention(...)``.
+    plus ``(Q * exp(Gamma)) S_0`` for an initial state. With a decay per key channel
+    ``g_t`` is a vector and ``e^{g_t}`` scales row ``e`` of the state by its own
+    ``e^{g_{t,e}}``; the matrix form's score is then ``sum_e q_ie k_je exp(Gamma_ie - Gamma_je)``.
+    ``mode="recurrent"`` runs the loop, ``mode="quadratic"`` the matrix form (``L x L``
+    scores, like softmax attention without the softmax; ``L x L x E`` decays per
+    channel), ``mode="chunked"`` the matrix form inside chunks of ``chunk_size``
+    tokens and the state from one chunk to the next (the memory of the first, the
+    matmuls of the second). No normalisation of ``q`` and ``k``. It is
+    `gated_delta_rule` (per channel: `kimi_delta_attention`) without the delta term,
+    and its limit for ``beta -> 0``: ``gated_delta_rule(..., beta=eps) / eps ->
+    gated_linear_attention(...)``.
 
     Args:
         q: ``(B, L, H, E)`` queries.
         k: ``(B, L, H, E)`` keys.
         v: ``(B, L, Hv, Ev)`` values, ``Hv`` a multiple of ``H``.
-        g: ``(B, L, Hv)`` log decay, ``<= 0``.
+        g: ``(B, L, Hv)`` log decay per head, or ``(B, L, Hv, E)`` per key channel, ``<= 0``.
         initial_state: ``(B, Hv, E, Ev)`` (``(N, Hv, E, Ev)`` with ``cu_seqlens``); zeros if None.
         output_final_state: also return the state after the last token.
-        mode: ``"recurrent"`` or ``"quadratic"``.
-        cu_seqlens: ``(N + 1,)`` cumulative lengths of sequences packed along ``L`` (``B == 1``).
+        mode: ``"recurrent"``, ``"quadratic"`` or ``"chunked"``.
+        chunk_size: tokens per chunk in chunked mode; the last chunk may be shorter.
+        cu_seqlens: ``(N + 1,)`` cumulative lengths of sequences packed along ``L`` (``B == 1``):
+            each starts from its own initial state and no chunk crosses a boundary.
         scale: multiplies the queries; ``E ** -0.5`` if None.
 
     Returns:
@@ -772,7 +816,7 @@ def gated_linear_attention(
 
     Raises:
         TypeError: as in `gated_delta_rule`.
-        ValueError: as in `gated_delta_rule`.
+        ValueError: as in `gated_delta_rule`; ``g`` must be ``(B, L, Hv)`` or ``(B, L, Hv, E)``.
 
     Example:
         >>> import torch
@@ -782,18 +826,33 @@ def gated_linear_attention(
         >>> matrix, _ = gated_linear_attention(q, k, v, g, mode="quadratic")
         >>> torch.allclose(loop, matrix, atol=1e-5)
         True
+        >>> per_channel = -torch.rand(1, 6, 1, 4)       # one decay per key channel
+        >>> loop, _ = gated_linear_attention(q, k, v, per_channel)
+        >>> chunks, _ = gated_linear_attention(q, k, v, per_channel, mode="chunked", chunk_size=4)
+        >>> torch.allclose(loop, chunks, atol=1e-5)
+        True
     """
     B, L, _, Hv, E, Ev = _check_qkv(q, k, v)
     check_bool("output_final_state", output_final_state)
-    g = _check_like("g", g, (B, L, Hv), "(B, L, Hv)", q)
+    g_tensor = require_tensor("g", g)
+    if g_tensor.dim() == 4:  # one decay per key channel
+        g = _check_like("g", g, (B, L, Hv, E), "(B, L, Hv, E) per key channel", q)
+    else:
+        g = _check_like("g", g, (B, L, Hv), "(B, L, Hv) per head (or (B, L, Hv, E) per key channel)", q)
     _check_log_gate("g", g)
-    _check_mode(mode, _QUADRATIC_MODES)
+    _check_mode(mode, _GLA_MODES)
+    check_positive_int("chunk_size", chunk_size)
     check_scale(scale)
     bounds = _check_cu_seqlens(cu_seqlens, B, L)
     N = B if bounds is None else len(bounds) - 1
     initial_state = _check_state(initial_state, N, Hv, E, Ev, q, bounds is not None)
-    form = _gated_linear_recurrent if mode == "recurrent" else _quadratic_form
-    return _run(form, q, k, v, g[..., None], None, initial_state, output_final_state, bounds, scale, False)
+    g = g if g.dim() == 4 else g[..., None]  # (B, L, Hv) -> (B, L, Hv, 1): one decay for all key channels
+    if mode == "recurrent":
+        return _run(_gated_linear_recurrent, q, k, v, g, None, initial_state, output_final_state, bounds, scale, False)
+    if mode == "quadratic":
+        return _run(_quadratic_form, q, k, v, g, None, initial_state, output_final_state, bounds, scale, False)
+    return _run(_gated_linear_chunked, q, k, v, g, None, initial_state, output_final_state, bounds, scale, False,
+                chunk_size=chunk_size)
 
 
 def linear_attention(
@@ -871,6 +930,7 @@ def ssd(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     mode: str = "quadratic",
+    chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Mamba-2's state space duality (SSD, [Dao & Gu 2024](https://arxiv.org/abs/2405.21060)).
@@ -883,7 +943,9 @@ def ssd(
     ``v = dt * x``, ``g = dt * A`` and ``scale = 1``: a scalar decay per head and no
     delta term. ``mode="quadratic"`` computes the "attention" form
     ``Y = (L * C B^T) (dt X)`` with the 1-semiseparable ``L_ij = exp(sum_{k=j+1..i} dt_k A)``
-    (the segment sum of transformers' ``mamba2``); ``mode="recurrent"`` the scan.
+    (the segment sum of transformers' ``mamba2``); ``mode="recurrent"`` the scan;
+    ``mode="chunked"`` the quadratic form inside chunks of ``chunk_size`` tokens and the
+    state between them (Mamba-2's own chunked algorithm, its memory bounded by the chunk).
     The state is ``(batch, H, N, P)`` here (key channels first); Mamba-2's
     ``ssm_state`` is ``(batch, H, P, N)``: convert with `state_kv_to_vk`.
 
@@ -897,7 +959,8 @@ def ssd(
         D: ``(H,)`` skip connection, or None for none.
         initial_state: ``(batch, H, N, P)`` (``(n, H, N, P)`` with ``cu_seqlens``); zeros if None.
         output_final_state: also return the state after the last token.
-        mode: ``"quadratic"`` or ``"recurrent"``.
+        mode: ``"quadratic"``, ``"recurrent"`` or ``"chunked"``.
+        chunk_size: tokens per chunk in chunked mode; the last chunk may be shorter.
         cu_seqlens: cumulative lengths of sequences packed along ``L`` (``batch == 1``).
 
     Returns:
@@ -932,7 +995,7 @@ def ssd(
     require_same_dtype_and_device(x=x, dt=dt, A=A, B=B, C=C)
     if H % B.shape[2] != 0:
         raise ValueError(f"x's heads H={H} must be a multiple of the groups G={B.shape[2]} of B and C")
-    _check_mode(mode, ("quadratic", "recurrent"))
+    _check_mode(mode, ("quadratic", "recurrent", "chunked"))
     if D is not None:
         D = _check_like("D", D, (H,), "(H,)", x)
     if dt.numel() and not dt.is_meta and bool((dt < 0).any()):
@@ -942,7 +1005,7 @@ def ssd(
     v = x * dt[..., None]  # (batch, L, H, P): the value written is dt * x
     g = dt * A  # (batch, L, H): log decay
     y, state = gated_linear_attention(C, B, v, g, initial_state=initial_state, output_final_state=output_final_state,
-                                      mode=mode, cu_seqlens=cu_seqlens, scale=1.0)
+                                      mode=mode, chunk_size=chunk_size, cu_seqlens=cu_seqlens, scale=1.0)
     if D is not None:
         y = y + x * D[:, None]  # (batch, L, H, P) + (batch, L, H, P) * (H, 1)
     return y, state

@@ -265,6 +265,68 @@ def test_gated_linear_attention_forms_and_carry():
         torch.testing.assert_close(packed[:, start:end], alone, **TIGHT)
 
 
+def _gla_by_hand(q, k, v, g, h0):
+    """Gated linear attention as the formula reads, one token at a time: S <- diag(exp g_t) S + k_t v_t^T,
+    o_t = S^T (q_t E^-1/2). Hv == H; g (B, L, H) per head or (B, L, H, E) per key channel."""
+    g = g if g.dim() == 4 else g[..., None].expand(*q.shape)  # (B, L, H, E)
+    S, outs = h0.clone(), []
+    for t in range(q.shape[1]):
+        S = g[:, t, :, :, None].exp() * S + k[:, t, :, :, None] * v[:, t, :, None, :]  # (B, H, E, Ev)
+        outs.append(torch.einsum("bhe,bhef->bhf", q[:, t] * q.shape[-1] ** -0.5, S))
+    return torch.stack(outs, 1), S
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("mode,chunk_size", [("recurrent", 64), ("quadratic", 64)]
+                         + [("chunked", c) for c in CHUNK_SIZES])
+def test_gla_forms_equal_the_recurrence_outputs_states_and_gradients(per_channel, mode, chunk_size):
+    x = make("kda" if per_channel else "gdn", h=HV, requires_grad=True)
+    inputs = [x["q"], x["k"], x["v"], x["g"], x["initial_state"]]
+    by_hand = _gla_by_hand(*inputs)
+    ref = gated_linear_attention(*inputs[:4], initial_state=inputs[4], output_final_state=True)
+    for want, got in zip(by_hand, ref):  # the recurrence is the formula
+        torch.testing.assert_close(got, want, **TIGHT)
+    out, state = gated_linear_attention(*inputs[:4], initial_state=inputs[4], output_final_state=True,
+                                        mode=mode, chunk_size=chunk_size)
+    torch.testing.assert_close(out, ref[0], **TIGHT)
+    torch.testing.assert_close(state, ref[1], **TIGHT)
+    gen = torch.Generator().manual_seed(1)
+    w_out, w_state = (torch.randn(t.shape, generator=gen, dtype=F64) for t in (out, state))
+    want = torch.autograd.grad((ref[0] * w_out).sum() + (ref[1] * w_state).sum(), inputs)
+    got = torch.autograd.grad((out * w_out).sum() + (state * w_state).sum(), inputs)
+    for name, a, b in zip(("q", "k", "v", "g", "initial_state"), got, want):
+        assert b.abs().max() > 1e-3, f"d/d{name} vanished: the comparison would prove nothing"
+        torch.testing.assert_close(a, b, **TIGHT, msg=lambda m, name=name: f"d/d{name}: {m}")
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("mode", ["quadratic", "chunked"])
+def test_gla_packed_sequences_equal_each_alone(per_channel, mode):
+    x = make("kda" if per_channel else "gdn", b=1, h=HV)
+    cu = torch.tensor([0, 4, 5, 11])  # three sequences, one of a single token
+    h0 = torch.randn(3, HV, E, EV, generator=torch.Generator().manual_seed(2), dtype=F64)
+    args = (x["q"], x["k"], x["v"], x["g"])
+    packed, states = gated_linear_attention(*args, initial_state=h0, output_final_state=True, mode=mode,
+                                            chunk_size=3, cu_seqlens=cu)
+    for n, (start, end) in enumerate(pairwise(cu.tolist())):
+        alone, state = gated_linear_attention(*(t[:, start:end] for t in args), initial_state=h0[n:n + 1],
+                                              output_final_state=True)
+        torch.testing.assert_close(packed[:, start:end], alone, **TIGHT)
+        torch.testing.assert_close(states[n:n + 1], state, **TIGHT)
+
+
+def test_gla_per_channel_decays_each_key_channel_at_its_own_rate():
+    x = make("kda", h=HV)
+    g = torch.zeros_like(x["g"])
+    g[..., 0] = float("-inf")  # channel 0 forgets everything at each step, the others nothing
+    _, state = gated_linear_attention(x["q"], x["k"], x["v"], g, initial_state=x["initial_state"],
+                                      output_final_state=True, mode="chunked", chunk_size=4)
+    last = x["k"][:, -1, :, 0, None] * x["v"][:, -1]  # (B, H, Ev): channel 0 keeps only the last write
+    torch.testing.assert_close(state[:, :, 0], last, **TIGHT)
+    kept = x["initial_state"][:, :, 1:] + torch.einsum("blhe,blhf->bhef", x["k"][..., 1:], x["v"])
+    torch.testing.assert_close(state[:, :, 1:], kept, **TIGHT)
+
+
 @pytest.mark.parametrize("mode", ["recurrent", "quadratic"])
 def test_linear_attention_with_and_without_normalisation(mode):
     x = make(h=HV)
@@ -312,9 +374,14 @@ def test_ssd_quadratic_equals_recurrence_and_mamba2_scan():
     y_m2, h_m2 = _mamba2_scan(x, dt, A, B_, C_, D, state_kv_to_vk(h0))
     torch.testing.assert_close(y, y_m2, **TIGHT)
     torch.testing.assert_close(state_kv_to_vk(state), h_m2, **TIGHT)
+    for chunk_size in (1, 4, 11, 16):  # Mamba-2's chunked algorithm, a short last chunk included
+        y_c, state_c = ssd(x, dt, A, B_, C_, D=D, initial_state=h0, output_final_state=True, mode="chunked",
+                           chunk_size=chunk_size)
+        torch.testing.assert_close(y_c, y_scan, **TIGHT)
+        torch.testing.assert_close(state_c, state_scan, **TIGHT)
 
 
-@pytest.mark.parametrize("mode", ["quadratic", "recurrent"])
+@pytest.mark.parametrize("mode", ["quadratic", "recurrent", "chunked"])
 def test_ssd_packed_sequences_equal_each_alone(mode):
     """cu_seqlens: no state, decay or skip term crosses a boundary; each sequence's own entry and final state."""
     gen = torch.Generator().manual_seed(5)
@@ -326,7 +393,8 @@ def test_ssd_packed_sequences_equal_each_alone(mode):
     B_, C_ = (torch.randn(1, length, groups, N, generator=gen, dtype=F64) for _ in range(2))
     D = torch.randn(heads, generator=gen, dtype=F64)
     h0 = torch.randn(3, heads, N, P, generator=gen, dtype=F64)  # one entry state per sequence
-    y, states = ssd(x, dt, A, B_, C_, D=D, initial_state=h0, output_final_state=True, mode=mode, cu_seqlens=cu)
+    y, states = ssd(x, dt, A, B_, C_, D=D, initial_state=h0, output_final_state=True, mode=mode, chunk_size=3,
+                    cu_seqlens=cu)
     assert states.shape == (3, heads, N, P)
     for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         part = slice(start, end)
@@ -455,6 +523,17 @@ def test_errors_name_the_argument_and_the_values():
             run(fn, make(fn), **{flag: "no"})
     with pytest.raises(TypeError, match="output_final_state must be a bool, got int"):
         gated_linear_attention(x["q"], x["k"], x["v"], x["g"], output_final_state=1)
+    q, k, v = make(h=HV)["q"], make(h=HV)["k"], make(h=HV)["v"]
+    with pytest.raises(ValueError, match=r"g must have shape \(B, L, Hv\) per head \(or \(B, L, Hv, E\) per key "
+                                         r"channel\)=\(3, 11, 6\), got \(3, 11\)"):
+        gated_linear_attention(q, k, v, -torch.rand(B, L, dtype=F64))
+    with pytest.raises(ValueError, match=r"g must have shape \(B, L, Hv, E\) per key channel=\(3, 11, 6, 5\), "
+                                         r"got \(3, 11, 6, 4\)"):
+        gated_linear_attention(q, k, v, -torch.rand(B, L, HV, 4, dtype=F64))
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
+        gated_linear_attention(q, k, v, -torch.rand(B, L, HV, dtype=F64), mode="chunked", chunk_size=0)
+    with pytest.raises(ValueError, match=r"mode must be one of 'recurrent', 'quadratic', 'chunked', got 'scan'"):
+        gated_linear_attention(q, k, v, -torch.rand(B, L, HV, dtype=F64), mode="scan")
 
 
 def test_oracle_tiny_qwen3_next_with_attention_ref_linear_layers(monkeypatch):

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention_ref.linear import gated_delta_rule, kimi_delta_attention, l2_normalize
+from attention_ref.linear import gated_delta_rule, gated_linear_attention, kimi_delta_attention, l2_normalize
 
 FLA_VERSION = "0.6.0"
 
@@ -52,9 +52,11 @@ RUNNER = textwrap.dedent("""
 
     gdr = load("fla_naive_gdr", "fla/ops/gated_delta_rule/naive.py")
     kda = load("fla_naive_kda", "fla/ops/kda/naive.py")
+    gla = load("fla_naive_gla", "fla/ops/gla/naive.py")
+    simple = load("fla_naive_simple_gla", "fla/ops/simple_gla/naive.py")
     assert "fla" not in sys.modules and "transformers" not in sys.modules
     x = torch.load(inputs_path)
-    a, b = x["gdr"], x["kda"]
+    a, b, c, d = x["gdr"], x["kda"], x["gla"], x["simple_gla"]
     out = {
         "gdr_recurrent": gdr.naive_recurrent_gated_delta_rule(
             a["q"], a["k"], a["v"], a["beta"], a["g"], initial_state=a["initial_state"],
@@ -68,6 +70,13 @@ RUNNER = textwrap.dedent("""
         "kda_chunk": kda.naive_chunk_kda(
             b["q"], b["k"], b["v"], b["g"], b["beta"], initial_state=b["initial_state"],
             output_final_state=True, chunk_size=16),
+        "gla_recurrent": gla.naive_recurrent_gla(
+            c["q"], c["k"], c["v"], c["g"], initial_state=c["initial_state"], output_final_state=True),
+        "simple_gla_recurrent": simple.naive_recurrent_simple_gla(
+            d["q"], d["k"], d["v"], d["g"], initial_state=d["initial_state"], output_final_state=True),
+        "simple_gla_chunk": simple.naive_chunk_simple_gla(
+            d["q"], d["k"], d["v"], d["g"], initial_state=d["initial_state"], output_final_state=True,
+            chunk_size=16),
     }
     torch.save(out, outputs_path)
 """)
@@ -99,7 +108,12 @@ def _inputs(seed: int, B: int, L: int, H: int, Hv: int, E: int, Ev: int, per_cha
 def test_equal_to_fla_naive_references(fla_target, tmp_path):
     # prime sizes where fla allows; L a multiple of the chunk (fla's naive_chunk_kda asserts it)
     inputs = {"gdr": _inputs(0, B=2, L=48, H=3, Hv=3, E=7, Ev=5, per_channel=False),  # fla's GDR: Hv = H
-              "kda": _inputs(1, B=2, L=48, H=2, Hv=6, E=7, Ev=5, per_channel=True)}  # grouped value heads
+              "kda": _inputs(1, B=2, L=48, H=2, Hv=6, E=7, Ev=5, per_channel=True),  # grouped value heads
+              # gated linear attention, a decay per key channel (fla's gla) and per head (simple_gla)
+              "gla": _inputs(2, B=2, L=48, H=3, Hv=3, E=7, Ev=5, per_channel=True),
+              "simple_gla": _inputs(3, B=2, L=48, H=3, Hv=3, E=7, Ev=5, per_channel=False)}
+    for name in ("gla", "simple_gla"):
+        del inputs[name]["beta"]  # no delta term
     torch.save(inputs, tmp_path / "inputs.pt")
     env = {**os.environ, "PYTHONPATH": str(fla_target)}
     done = subprocess.run([sys.executable, "-c", RUNNER, str(fla_target), str(tmp_path / "inputs.pt"),
@@ -109,9 +123,13 @@ def test_equal_to_fla_naive_references(fla_target, tmp_path):
     theirs = torch.load(tmp_path / "outputs.pt")
     f64 = {name: {n: t.double() for n, t in x.items()} for name, x in inputs.items()}
     ours = {"gdr": gated_delta_rule(**f64["gdr"], use_qk_l2norm=False, output_final_state=True),
-            "kda": kimi_delta_attention(**f64["kda"], use_qk_l2norm=False, output_final_state=True)}
+            "kda": kimi_delta_attention(**f64["kda"], use_qk_l2norm=False, output_final_state=True),
+            "gla": gated_linear_attention(**f64["gla"], output_final_state=True, mode="chunked", chunk_size=16),
+            "simple_gla": gated_linear_attention(**f64["simple_gla"], output_final_state=True, mode="chunked",
+                                                 chunk_size=16)}
+    assert len(theirs) == 7
     for name, (their_out, their_state) in theirs.items():
-        our_out, our_state = ours[name.split("_")[0]]
+        our_out, our_state = ours[name.rsplit("_", 1)[0]]
         assert their_out.dtype == torch.float32, name
         for what, theirs_t, ours_t in (("out", their_out, our_out), ("state", their_state, our_state)):
             torch.testing.assert_close(theirs_t.double(), ours_t, atol=2e-5, rtol=1e-4,
