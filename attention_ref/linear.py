@@ -282,6 +282,59 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, out: 
     return torch.sum(a[..., :, None, :] * b[..., None, :, :] * decay, dim=-1, out=out)  # (..., C, C, E) -> (..., C, C)
 
 
+_SUB_CHUNK = 16
+"""Rows per block of `_channel_scores` where a chunk's decay is too strong to factor whole."""
+
+_FACTOR_RANGE = 40.0
+"""How far (in log decay) `_channel_scores` factors ``exp(Gamma_i - Gamma_j)`` into
+``exp(Gamma_i - r) * exp(r - Gamma_j)``: each factor then lies in ``[e^-40, e^40]``
+(about ``4e-18`` to ``2e17``), far inside float32's range, so neither under- nor overflows."""
+
+
+def _factored_scores(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``(a e^{Gamma - r}) (b e^{r - Gamma_b})^T``: ``(..., m, E)``, ``(..., n, E)`` with their ``gamma``
+    rows, ``r`` ``(..., 1, E)`` -> ``(..., m, n)``: one matmul where `_decayed_scores` multiplies
+    ``(m, n, E)`` numbers. ``gamma`` is the pair ``(gamma_a, gamma_b)``."""
+    gamma_a, gamma_b = gamma
+    return (a * (gamma_a - r).exp()) @ (b * (r - gamma_b).exp()).transpose(-1, -2)
+
+
+def _channel_scores(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``sum_e a_ie b_je exp(Gamma_ie - Gamma_je)`` for ``j <= i``, 0 above: `_decayed_scores` with a decay
+    per channel, without its ``(C, C, E)`` tensor. ``(..., C, E)`` twice and ``gamma`` ``(..., C, E)``
+    (cumulative log decays from the chunk's entry, finite) -> ``(..., C, C)``.
+
+    ``exp(Gamma_i - Gamma_j) = exp(Gamma_i - r) exp(r - Gamma_j)`` turns the sum into a matmul of
+    rescaled rows (as fla's chunked KDA does). Where the chunk's log decay stays within
+    `_FACTOR_RANGE`, with ``r = 0``, for the whole chunk at once, then the upper triangle zeroed.
+    Else in blocks of `_SUB_CHUNK` rows: against the earlier keys ``j < s`` with ``r = Gamma_{s-1}``
+    (both factors at most 1, since ``Gamma`` only falls); within the block the same way from its
+    own entry where its decay stays within range, else the exact decays ``(16, 16, E)``.
+    ``out``: a `_Scratch` tensor to write into, or None for a new one.
+    """
+    C = a.shape[-2]
+    out = a.new_empty(*a.shape[:-1], C) if out is None else out  # (..., C, C)
+    above = torch.ones(C, C, dtype=torch.bool, device=a.device).triu(1)
+    if bool((gamma[..., -1, :] >= -_FACTOR_RANGE).all()):
+        out[...] = _factored_scores(a, b, (gamma, gamma), gamma.new_zeros(1))
+        return out.masked_fill_(above, 0.0)
+    out.zero_()
+    for start in range(0, C, _SUB_CHUNK):
+        rows = slice(start, min(start + _SUB_CHUNK, C))
+        g_rows = gamma[..., rows, :]  # (..., c, E)
+        entry = gamma[..., start - 1:start, :] if start else gamma.new_zeros(1)  # (..., 1, E): just before
+        if bool((g_rows[..., -1, :] - (entry if start else 0) >= -_FACTOR_RANGE).all()):
+            block = _factored_scores(a[..., rows, :], b[..., rows, :], (g_rows, g_rows), entry)
+            out[..., rows, rows] = block.masked_fill_(above[:rows.stop - start, :rows.stop - start], 0.0)
+        else:
+            out[..., rows, rows] = _decayed_scores(a[..., rows, :], b[..., rows, :], _decay(g_rows))
+        if start:  # the earlier keys: both factors at most 1
+            out[..., rows, :start] = _factored_scores(a[..., rows, :], b[..., :start, :],
+                                                      (g_rows, gamma[..., :start, :]), entry)
+    return out
+
+
 # --- the two forms of the delta rule, on (B, Hv, L, .) tensors -----------------------------------
 
 
@@ -320,8 +373,8 @@ the recurrence and the chunked form: 1 MiB in float32, so that the span's tensor
 the allocator's reuse, not fresh pages (see `_run`)."""
 
 _BLOCK_ELEMENTS = 2**19
-"""How many decay factors ``exp(Gamma_i - Gamma_j)`` (``C * C`` per chunk and head for a
-scalar gate, ``C * C * E`` per channel) one call of `_delta_rule_chunked` builds: with
+"""How many decay factors or decayed scores (``C * C`` per chunk and head, a decay per channel
+factored into the rows by `_channel_scores`) one call of `_delta_rule_chunked` builds: with
 `_SPAN_ELEMENTS`, `_run_delta` bounds the span by it."""
 
 
@@ -352,10 +405,15 @@ def _chunk_systems(q, k, v, g, beta, memory=None):
     # monotone, so its last row is its least); else segment by segment: past -1e3 the difference of two
     # large gammas loses the small gates between them (-1e38 + g - (-1e38) = 0), and -inf - -inf is NaN
     moderate = gamma.is_meta or bool((gamma[..., -1:, :] >= _DIFFERENCE_FLOOR).all())  # meta: either form's shapes
-    decay = _decay(gamma) if moderate else _segment_decay(g)
-    scores = _decayed_scores(q, k, decay, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
+    if moderate and gamma.shape[-1] > 1:  # per channel: blocks of rows, never a (C, C, E) decay
+        scores = _channel_scores(q, k, gamma, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
+        kk = _channel_scores(k, k, gamma, memory.get("kk", (*lead, C, C), q))  # (..., C, C)
+    else:
+        decay = _decay(gamma) if moderate else _segment_decay(g)
+        scores = _decayed_scores(q, k, decay, memory.get("scores", (*lead, C, C), q))  # (..., C, C)
+        kk = _decayed_scores(k, k, decay, memory.get("kk", (*lead, C, C), q))  # (..., C, C)
     # the UT system: A = I + strictly_lower(diag(beta) K K^T * D); the inverse reads only that part
-    kk = _scaled(_decayed_scores(k, k, decay, memory.get("kk", (*lead, C, C), q)), beta, own)  # (..., C, C)
+    kk = _scaled(kk, beta, own)  # (..., C, C)
     # forward substitution against I, differentiable: the whole chunked call ran 2-8% faster on CPU
     # with it than with an inverse by doubling blocks in batched matmuls (log2(C) rounds)
     eye = torch.eye(C, dtype=kk.dtype, device=kk.device).expand_as(kk)  # (..., C, C)
@@ -572,7 +630,9 @@ def _run_delta(mode, chunk_size, *args):
         return _run(_delta_rule_recurrent, *args, block=_span_tokens(B, Hv, max(q.shape[-1], v.shape[-1])))
     C = chunk_size
     chunks = _span_tokens(B, Hv, max(q.shape[-1], v.shape[-1])) // C  # whole chunks per span ...
-    chunks = max(1, min(chunks, _BLOCK_ELEMENTS // (B * Hv * C * C * g.shape[-1])))  # ... and decay factors
+    # ... and C x C scores per chunk (a decay per channel is factored into rows, `_channel_scores`; only
+    # where a chunk's decay is too strong to factor does it build (16, 16, E) blocks, one at a time)
+    chunks = max(1, min(chunks, _BLOCK_ELEMENTS // (B * Hv * C * C)))
     return _run(_delta_rule_chunked, *args, chunk_size=C, block=chunks * C, scratch=True)
 
 

@@ -72,15 +72,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_bench import _load, cpu_peak_bytes, provenance  # noqa: E402
 
 from attention_ref import scaled_dot_product_attention  # noqa: E402
-from attention_ref.linear import gated_delta_rule  # noqa: E402
+from attention_ref.linear import gated_delta_rule, kimi_delta_attention  # noqa: E402
 
 CROSSOVER_LENGTHS = [256, 512, 1024, 2048, 4096]
 QUICK = dict(tokens=256, heads=2, head_dim=16, lengths=[32, 64, 128], reps=2, min_time=0.002, threads=[1],
-             chunk_sizes=[8, 16])
+             chunk_sizes=[8, 16], kda_tokens=128, kda_heads=2)
 RECURRENT_GOAL = 5.0
 """``recurrent / chunked`` must be at least this."""
 TRANSFORMERS_GOAL = 2.0
 """``chunked / transformers`` must be at most this."""
+KDA_GOAL = 2.0
+"""Kimi delta attention's chunked form over the gated delta rule's (issue 34) must be at most this."""
 
 
 def _say(*args: object) -> None:
@@ -216,6 +218,35 @@ def measure_headline(T: int, H: int, E: int, chunk_sizes: list[int], reps: int, 
                                 / med[name] / 1e9 for name in cases if name != "transformers"}}
 
 
+def measure_kda(T: int, H: int, E: int, chunk_size: int, reps: int, min_time: float, seed: int) -> dict:
+    """Kimi delta attention's chunked form against the gated delta rule's at the same size, the current threads.
+
+    The same inputs, except the gate: one log decay per key channel, ``(B, L, H, E)``, drawn like
+    the scalar one. Both also against their own recurrence run once on the first 512 tokens
+    (their largest absolute difference), so a fast wrong form would show.
+    """
+    x = _inputs(T, H, E, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    g_channels = -0.1 * torch.rand(1, T, H, E, generator=gen)  # (B, L, H, E): a log decay per key channel
+    kda = dict(x, g=g_channels)
+    cases = {"gated_delta_rule_chunked": lambda: gated_delta_rule(**x, mode="chunked", chunk_size=chunk_size)[0],
+             "kimi_delta_attention_chunked": lambda: kimi_delta_attention(**kda, mode="chunked",
+                                                                         chunk_size=chunk_size)[0]}
+    with torch.no_grad():
+        _, times = time_cases(cases, reps, min_time)
+        head = {n: t[:, :512] for n, t in kda.items()}
+        errors = {"kimi_delta_attention_chunked_vs_recurrent": float(
+            (kimi_delta_attention(**head, mode="chunked", chunk_size=chunk_size)[0]
+             - kimi_delta_attention(**head, mode="recurrent")[0]).abs().max())}
+    med = {name: t["median_s"] for name, t in times.items()}
+    cpu = {name: max(t["median_cpu_s"], 1e-12) for name, t in times.items()}
+    ratio = med["kimi_delta_attention_chunked"] / med["gated_delta_rule_chunked"]
+    return {"threads": torch.get_num_threads(), "times": times, "max_abs_diff": errors,
+            "ratio_kda_over_gated_delta_rule": ratio,
+            "cpu_time_ratio": cpu["kimi_delta_attention_chunked"] / cpu["gated_delta_rule_chunked"],
+            "goal": {"goal": f"<= {KDA_GOAL}", "met": ratio <= KDA_GOAL}}
+
+
 def measure_crossover_length(L: int, H: int, E: int, chunk_size: int, reps: int, min_time: float, seed: int) -> dict:
     """The chunked gated delta rule and causal softmax attention at one length: time and peak memory."""
     x = _inputs(L, H, E, seed)
@@ -233,7 +264,10 @@ def measure_crossover_length(L: int, H: int, E: int, chunk_size: int, reps: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=["headline", "crossover"], default=["headline", "crossover"])
+    parser.add_argument("--parts", nargs="+", choices=["headline", "crossover", "kda"],
+                        default=["headline", "crossover", "kda"])
+    parser.add_argument("--kda-tokens", type=int, default=2048, help="T of the kda part")
+    parser.add_argument("--kda-heads", type=int, default=4, help="H (= Hv) of the kda part")
     parser.add_argument("--tokens", type=int, default=8192, help="T of the headline part")
     parser.add_argument("--heads", type=int, default=8, help="H (= Hv)")
     parser.add_argument("--head-dim", type=int, default=128, help="E = Ev (fla's K = V)")
@@ -295,6 +329,23 @@ def main(argv: list[str] | None = None) -> int:
                               "flops": {"recurrent": flops(args.tokens, args.heads, args.head_dim, args.head_dim),
                                         **{f"chunked_{C}": flops(args.tokens, args.heads, args.head_dim,
                                                                  args.head_dim, C) for C in args.chunk_sizes}}}
+    if "kda" in args.parts:
+        runs = []
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            _say(f"kda, {threads} thread(s): T = {args.kda_tokens}, H = {args.kda_heads}, E = Ev = {args.head_dim}: "
+                 f"chunked Kimi delta attention against the chunked gated delta rule, C = {args.chunk_size}")
+            run = measure_kda(args.kda_tokens, args.kda_heads, args.head_dim, args.chunk_size, args.reps,
+                              args.min_time, seed=7)
+            _say("    " + "  ".join(f"{name} {t['median_s'] * 1e3:.1f} ms" for name, t in run["times"].items())
+                 + f": {run['ratio_kda_over_gated_delta_rule']:.2f}x (goal {run['goal']['goal']}: "
+                 f"{'met' if run['goal']['met'] else 'NOT met'}); in CPU time {run['cpu_time_ratio']:.2f}x; "
+                 f"{run['max_abs_diff']}")
+            runs.append(run)
+        torch.set_num_threads(args.threads[0])
+        record["kda"] = {"T": args.kda_tokens, "H": args.kda_heads, "E": args.head_dim, "chunk_size": args.chunk_size,
+                         "gates": "scalar: g = -0.1 * U[0, 1) per head; per channel: the same per key channel",
+                         "runs": runs}
     if "crossover" in args.parts:
         rows = []
         for i, L in enumerate(args.lengths):

@@ -90,6 +90,34 @@ def test_strong_decay_and_no_decay_stay_finite_and_equal(mode):
         torch.testing.assert_close(state, ref_state, **TIGHT)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("strength,path", [(0.3, "whole chunk"), (1.0, "blocks"), (8.0, "exact blocks")])
+def test_kda_chunked_factors_its_decay_only_within_range(dtype, strength, path, monkeypatch):
+    """A decay per channel is factored into the rows (one matmul) for the whole chunk while its log decay
+    stays within 40, else block by block, else exactly: each path equals the recurrence."""
+    import attention_ref.linear as linear_module
+
+    x = make("kda", length=48, seed=4)
+    x["g"] = x["g"] * strength * 2  # gates in (-2 strength, 0]: a chunk of 32 sums to about -32 strength
+    exact, rows = [], []
+    decay, factor = linear_module._decay, linear_module._factored_scores
+    monkeypatch.setattr(linear_module, "_decay", lambda gamma: exact.append(gamma.shape) or decay(gamma))
+    monkeypatch.setattr(linear_module, "_factored_scores", lambda a, *r: rows.append(a.shape[-2]) or factor(a, *r))
+    ref = run("kda", x, output_final_state=True)
+    x = {n: t.to(dtype) for n, t in x.items()}
+    out, state = run("kda", x, output_final_state=True, mode="chunked", chunk_size=32)
+    assert (path == "exact blocks") == bool(exact), exact  # the elementwise decays only where needed
+    assert (path == "whole chunk") == (max(rows) == 32), rows  # one matmul per chunk while in range
+    tol = TIGHT if dtype == F64 else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(out.double(), ref[0], **tol)
+    torch.testing.assert_close(state.double(), ref[1], **tol)
+    factored = linear_module._channel_scores
+    calls = []
+    monkeypatch.setattr(linear_module, "_channel_scores", lambda *a: calls.append(1) or factored(*a))
+    run("kda", x, mode="chunked", chunk_size=32)
+    assert calls  # the per-channel scores never go through a (C, C, E) decay
+
+
 # --- the recurrence itself, on cases computed by hand ---------------------------------------------
 
 

@@ -89,6 +89,16 @@ def test_quick_run_writes_consistent_results(bench, tmp_path, capsys):
     assert cross["memory_L"] == bench.crossover(Ls, peaks["softmax_sdpa_math"], peaks["gated_delta_rule_chunked"])
     assert record["load_before"]["loadavg_1_5_15"] and record["load_after"]["loadavg_1_5_15"]
 
+    kda = record["kda"]
+    assert (kda["T"], kda["H"], kda["E"]) == (128, 2, 16) and [r["threads"] for r in kda["runs"]] == [1]
+    (run,) = kda["runs"]
+    names = ("gated_delta_rule_chunked", "kimi_delta_attention_chunked")
+    med = _check_times(run["times"], names, config["reps"])
+    assert math.isclose(run["ratio_kda_over_gated_delta_rule"], med[names[1]] / med[names[0]])
+    assert run["goal"]["met"] == (run["ratio_kda_over_gated_delta_rule"] <= 2)
+    assert run["max_abs_diff"]["kimi_delta_attention_chunked_vs_recurrent"] < 1e-5
+    assert "kda, 1 thread(s): T = 128" in captured.err
+
 
 def test_flops_count_the_forms(bench):
     # one token, one head, E = Ev = 1: the recurrence does 7 operations; a chunk of C = 2
