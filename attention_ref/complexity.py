@@ -41,7 +41,9 @@ __all__ = [
     "linear_state_bytes",
     "parameter_count",
     "projection_flops",
+    "ring_attention_bytes",
     "sliding_window_pairs",
+    "ulysses_attention_bytes",
 ]
 
 
@@ -325,3 +327,70 @@ def linear_state_bytes(num_heads: int, key_dim: int, value_dim: int, *, bytes_pe
     check_positive_int("value_dim", value_dim)
     check_positive_int("bytes_per_element", bytes_per_element)
     return num_heads * key_dim * value_dim * bytes_per_element
+
+
+def _context_parallel_sizes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, world: int,
+                            bytes_per_element: int) -> int:
+    """Checks the sizes of the two context-parallel formulas; returns ``n = L / world``."""
+    for name, value in (("B", B), ("H", H), ("Hkv", Hkv), ("L", L), ("E", E), ("Ev", Ev), ("world", world),
+                        ("bytes_per_element", bytes_per_element)):
+        check_positive_int(name, value)
+    if L % world:
+        raise ValueError(f"L={L} must be a multiple of world={world}: each rank holds L / world positions")
+    return L // world
+
+
+def ring_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, world: int, *,
+                         bytes_per_element: int = 2) -> int:
+    r"""Bytes one rank sends in the forward pass of `attention_ref.distributed.ring_attention`.
+
+    The key and value slices travel the ring: ``W - 1`` steps of this rank's share,
+
+    $$
+    (W - 1)\, B\, H_{kv}\, \frac{L}{W}\, (E + E_v) \times \text{bytes per element},
+    $$
+
+    which grows with ``W`` toward ``B H_kv L (E + E_v)``: every rank sees every key. ``H``
+    is not used (the queries stay); it is an argument so that the two formulas take the
+    same ones. The backward pass sends the same again, plus the dK/dV accumulators.
+
+    Examples:
+        >>> ring_attention_bytes(1, 32, 8, 131072, 128, 128, 8) // 2**20   # Llama 3 8B, 128k, 8 ranks, MiB
+        448
+    """
+    n = _context_parallel_sizes(B, H, Hkv, L, E, Ev, world, bytes_per_element)
+    return (world - 1) * B * Hkv * n * (E + Ev) * bytes_per_element
+
+
+def ulysses_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, world: int, *,
+                            bytes_per_element: int = 2) -> int:
+    r"""Bytes one rank sends in the forward pass of `attention_ref.distributed.ulysses_attention`.
+
+    Four all-to-alls: the query, key and value slices to head slices, the output back.
+    Each sends the share ``(W - 1) / W`` of a local tensor of ``n = L / W`` positions,
+
+    $$
+    \frac{W - 1}{W}\, B\, \frac{L}{W}\, \big(H E + H'_{kv} (E + E_v) + H E_v\big)
+    \times \text{bytes per element},
+    $$
+
+    with ``H'_kv = H_kv`` when ``H_kv`` is a multiple of ``W``, else ``W`` (each key/value
+    head repeated so that every rank receives one). It *falls* as ``W`` grows (as ``1/W``),
+    where the ring's rises; the price is that ``W`` cannot exceed ``H``. The backward pass
+    sends the same again (``dO`` out, ``dQ``, ``dK``, ``dV`` back).
+
+    Raises:
+        ValueError: ``H`` not a multiple of ``world``, or ``Hkv`` neither a multiple nor a
+            divisor of it (`ulysses_attention` refuses those too).
+
+    Examples:
+        >>> ulysses_attention_bytes(1, 32, 8, 131072, 128, 128, 8) // 2**20
+        280
+    """
+    n = _context_parallel_sizes(B, H, Hkv, L, E, Ev, world, bytes_per_element)
+    if H % world:
+        raise ValueError(f"H={H} query heads must be a multiple of world={world} for Ulysses")
+    if Hkv % world and world % Hkv:
+        raise ValueError(f"Hkv={Hkv} key/value heads must be a multiple or a divisor of world={world} for Ulysses")
+    kv_heads = Hkv if Hkv % world == 0 else world
+    return (world - 1) * B * n * (H * E + kv_heads * (E + Ev) + H * Ev) * bytes_per_element // world

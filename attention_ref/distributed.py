@@ -79,6 +79,7 @@ __all__ = [
     "ring_schedule",
     "shard",
     "spawn",
+    "ulysses_attention",
     "unshard",
 ]
 
@@ -373,6 +374,13 @@ class CommStats:
         blocks_full: chunk pairs computed without a mask (forward pass).
         blocks_masked: chunk pairs computed with the causal mask (forward pass).
         blocks_skipped: chunk pairs skipped, entirely in the future (forward pass).
+        forward_all_to_all: all-to-all exchanges of `ulysses_attention`'s forward pass (4: q, k, v
+            to head slices, the output back).
+        forward_all_to_all_bytes: bytes this rank sent to the other ranks in them: ``(W - 1) / W``
+            of each tensor it exchanged (its own share stays).
+        backward_all_to_all: all-to-all exchanges of the backward pass (4: dO to head slices, dQ,
+            dK, dV back).
+        backward_all_to_all_bytes: bytes sent in them.
     """
 
     forward_steps: int = 0
@@ -384,6 +392,10 @@ class CommStats:
     blocks_full: int = 0
     blocks_masked: int = 0
     blocks_skipped: int = 0
+    forward_all_to_all: int = 0
+    forward_all_to_all_bytes: int = 0
+    backward_all_to_all: int = 0
+    backward_all_to_all_bytes: int = 0
 
 
 _ACTIVE: list[CommStats] = []
@@ -702,6 +714,137 @@ def ring_attention(
     if sinks is not None:
         output, _ = add_sinks(output, lse, sinks)  # once per query, after the last merge
     return output.to(query.dtype)
+
+
+# --- Ulysses: an all-to-all from sequence slices to head slices ----------------------------------
+
+
+def _exchange(x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup | None, world: int,
+              counter: str) -> torch.Tensor:
+    """Cut ``x`` in ``world`` equal parts along dim ``scatter``, send part ``j`` to group rank ``j``, and
+    join the parts received, in rank order, along dim ``gather``. Counted in `CommStats` as ``counter``."""
+    parts = x.chunk(world, dim=scatter)
+    send = torch.stack(parts).contiguous()  # (world, *part): part j at index j, as all_to_all_single splits
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # received[i]: what rank i sent this rank
+    _record(**{counter: 1, f"{counter}_bytes": (world - 1) * parts[0].numel() * x.element_size()})
+    return torch.cat(received.unbind(0), dim=gather)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_exchange` with its backward: the same exchange the other way round (it is a permutation of
+    the elements across ranks, so its adjoint is its inverse)."""
+
+    @staticmethod
+    def forward(ctx, x, scatter, gather, group, world):  # type: ignore[override]
+        ctx.options = (scatter, gather, group, world)
+        return _exchange(x, scatter, gather, group, world, "forward_all_to_all")
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        scatter, gather, group, world = ctx.options
+        return _exchange(grad, gather, scatter, group, world, "backward_all_to_all"), None, None, None, None
+
+
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    group: dist.ProcessGroup | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""DeepSpeed-Ulysses: trade the sequence slices for head slices, attend, trade back.
+
+    Each rank holds a contiguous slice of the sequence with every head (`shard` with
+    ``layout="contiguous"``). One all-to-all per tensor gives each rank ``H / W`` of the
+    heads over the *whole* sequence; there the attention is the ordinary one
+    (`attention_ref.functional.scaled_dot_product_attention`, any mask that needs the
+    whole row: causal here), and one more all-to-all brings the output back to the
+    sequence slices. The backward pass is the same four exchanges the other way round.
+    Equal (up to rounding) to the attention of the unsharded tensors, sharded back:
+
+        shard(scaled_dot_product_attention(Q, K, V, ...), layout="contiguous")
+            == ulysses_attention(shard(Q, layout="contiguous"), ...)
+
+    Each rank sends ``(W - 1) / W`` of its ``q``, ``k``, ``v`` and output slices, however
+    many ranks there are: the traffic per rank stays flat as ``W`` grows, where the ring's
+    grows with it; but ``W`` cannot exceed the heads (`CommStats`, `attention_ref.complexity`).
+
+    Grouped key/value heads: with ``Hkv`` a multiple of ``W``, the key/value heads are cut
+    like the query heads (rank ``r``'s query heads read only rank ``r``'s key/value heads);
+    with fewer key/value heads than ranks (``W`` a multiple of ``Hkv``) each is repeated
+    ``W / Hkv`` times before the exchange, so that every rank receives the one its query
+    heads read, as DeepSpeed and USP do (the gradients of the copies add up).
+
+    Args:
+        query: ``(..., H, n, E)``, this rank's contiguous slice, ``n = L / W``, ``H`` a multiple of ``W``.
+        key: ``(..., H, n, E)``, or ``(..., Hkv, n, E)`` with ``enable_gqa``.
+        value: ``(..., H, n, Ev)``, or ``(..., Hkv, n, Ev)``.
+        is_causal: causal attention over the global positions (top-left aligned).
+        scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
+        enable_gqa: grouped-query attention.
+        group: the process group (``None``: the default group).
+        sinks: ``(H,)``, one learned logit per query head, the same on every rank. Rank
+            ``r`` applies the sinks of its heads to every query of them; its gradient is
+            **this rank's share** (nonzero on its heads only), as in `ring_attention`: the
+            ranks' gradients sum to the whole.
+
+    Returns:
+        ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
+
+    Raises:
+        RuntimeError: no process group is initialised, or this process is not in ``group``.
+        ValueError: ``H`` not a multiple of ``W``, or ``Hkv`` neither a multiple nor a divisor
+            of ``W`` (each with the numbers); query and key slices of different lengths;
+            ``sinks`` not of shape ``(H,)``; as `attention_ref.scaled_dot_product_attention`.
+        NotImplementedError: ``sinks`` with one value per query (use `ring_attention`).
+
+    Examples:
+        >>> import os, tempfile, torch, torch.distributed as dist
+        >>> from attention_ref import scaled_dot_product_attention
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+        >>> out = ulysses_attention(q, k, v, is_causal=True)
+        >>> torch.allclose(out, scaled_dot_product_attention(q, k, v, is_causal=True))
+        True
+        >>> dist.destroy_process_group()
+    """
+    rank, world = _group_info(group, "ulysses_attention")
+    query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
+    n = query.shape[-2]
+    if key.shape[-2] != n:
+        raise ValueError(
+            f"ulysses_attention needs query and key slices of one sequence, the same local length (dim -2): "
+            f"query {fmt_shape(query.shape)} has {n}, key {fmt_shape(key.shape)} has {key.shape[-2]}")
+    H, Hkv = query.shape[-3], key.shape[-3]
+    if H % world:
+        raise ValueError(f"ulysses_attention cuts the query heads across the ranks: H={H} query heads must be "
+                         f"a multiple of the world size W={world} (each rank takes H / W of them)")
+    if Hkv % world and world % Hkv:
+        raise ValueError(f"ulysses_attention needs the key/value heads Hkv={Hkv} to be a multiple of the world "
+                         f"size W={world} (cut like the query heads) or a divisor of it (each repeated W / Hkv "
+                         f"times)")
+    if Hkv % world:  # fewer key/value heads than ranks: one copy per rank, (..., Hkv, n, E) -> (..., W, n, E)
+        key, value = (t.repeat_interleave(world // Hkv, dim=-3) for t in (key, value))
+    heads = slice(rank * H // world, (rank + 1) * H // world)  # this rank's query heads after the exchange
+    if sinks is not None:
+        batch = _batch_shape(query, key, value, enable_gqa)
+        check_sinks(sinks, heads_of(batch), query, rows=(*batch, n))
+        if sinks.dim() != 1:
+            raise NotImplementedError(
+                f"ulysses_attention takes one sink per head, (H,)=({H},); sinks of shape {fmt_shape(sinks.shape)} "
+                "give one per query, which ring_attention shards with the queries")
+        sinks = sinks[heads]
+    # (..., H, n, E) -> (..., H / W, L, E): head slices over the whole sequence, in rank (= position) order
+    q, k, v = (_AllToAll.apply(t, -3, -2, group, world) for t in (query, key, value))
+    out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
+                                       sinks=sinks)  # (..., H / W, L, Ev)
+    return _AllToAll.apply(out, -2, -3, group, world)  # (..., H / W, L, Ev) -> (..., H, n, Ev)
 
 
 # --- local processes --------------------------------------------------------------------------

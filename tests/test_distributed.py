@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attention_ref import scaled_dot_product_attention
+from attention_ref.complexity import ring_attention_bytes
 from attention_ref.distributed import (
     count_communication,
     ring_attention,
@@ -250,6 +251,8 @@ def test_communication_matches_the_formulas(runs, world, case):
         stats = run["stats"]
         kv = run["numel_kv"]
         assert (stats.forward_steps, stats.forward_bytes) == (world - 1, (world - 1) * kv * s)
+        hkv = 2 if case in ("float32", "bfloat16") or case[2] else H  # the cases' key/value heads
+        assert stats.forward_bytes == ring_attention_bytes(B, H, hkv, N, E, EV, world, bytes_per_element=s)
         assert (stats.backward_kv_steps, stats.backward_kv_bytes) == (world - 1, (world - 1) * kv * s)
         assert (stats.backward_grad_steps, stats.backward_grad_bytes) == (world - 1, (world - 1) * kv * s_acc)
 
