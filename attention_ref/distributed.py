@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import pickle
 import shutil
@@ -947,9 +948,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is_causal: bool = True
-                ) -> dict[str, Any]:
-    """Ring attention on ``world`` ranks, forward and backward, checked against one process.
+def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is_causal: bool = True,
+                strategy: str = "ring") -> dict[str, Any]:
+    """Ring (or Ulysses) attention on ``world`` ranks, forward and backward, checked against one process.
 
     Every rank draws the same full float64 tensors from ``seed`` (``B=1``,
     ``H=4`` query heads, ``Hkv=2`` key/value heads, ``L = 12 * world``
@@ -963,8 +964,9 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         rank: this process's rank (given by `spawn`).
         world: the number of ranks (given by `spawn`).
         seed: the seed of the inputs.
-        layout: ``"zigzag"`` or ``"contiguous"``.
+        layout: ``"zigzag"`` or ``"contiguous"`` (Ulysses: ``"contiguous"`` only).
         is_causal: causal attention.
+        strategy: ``"ring"`` (`ring_attention`) or ``"ulysses"`` (`ulysses_attention`).
 
     Returns:
         A dict: ``"inputs"`` (the full ``q, k, v``), ``"output"`` (the gathered
@@ -982,6 +984,10 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         (torch.Size([1, 4, 12, 8]), True)
         >>> dist.destroy_process_group()
     """
+    if strategy not in ("ring", "ulysses"):
+        raise ValueError(f"strategy must be 'ring' or 'ulysses', got {strategy!r}")
+    if strategy == "ulysses" and layout != "contiguous":
+        raise ValueError(f"Ulysses takes contiguous slices: layout must be 'contiguous', got {layout!r}")
     gen = torch.Generator().manual_seed(seed)
     B, H, Hkv, E = 1, 4, 2, 8
     L = 12 * world
@@ -992,9 +998,9 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
     q, k, v, d_out = draw(B, H, L, E), draw(B, Hkv, L, E), draw(B, Hkv, L, E), draw(B, H, L, E)
     # this rank's parts: (B, H | Hkv, L / world, E)
     local = [shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+    attend = ulysses_attention if strategy == "ulysses" else functools.partial(ring_attention, layout=layout)
     with count_communication() as stats:
-        out = ring_attention(*local, is_causal=is_causal, enable_gqa=True,
-                             layout=layout)
+        out = attend(*local, is_causal=is_causal, enable_gqa=True)
         out.backward(shard(d_out, layout=layout))  # this rank's part of dO
     # the full output and gradients, on every rank
     gathered = [unshard(t.detach(), layout=layout)

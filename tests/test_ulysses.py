@@ -176,3 +176,12 @@ def test_the_formulas_name_what_does_not_divide():
         ulysses_attention_bytes(1, 12, 3, 8, 4, 4, 4)
     with pytest.raises(ValueError, match="world must be a positive int, got 0"):
         ulysses_attention_bytes(1, 12, 3, 8, 4, 4, 0)
+
+
+def test_the_demo_worker_names_a_strategy_it_does_not_know():
+    from attention_ref.distributed import demo_worker
+
+    with pytest.raises(ValueError, match="strategy must be 'ring' or 'ulysses', got 'tree'"):
+        demo_worker(0, 1, strategy="tree")
+    with pytest.raises(ValueError, match="Ulysses takes contiguous slices: layout must be 'contiguous', got 'zigzag'"):
+        demo_worker(0, 1, strategy="ulysses")
