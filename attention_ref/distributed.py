@@ -998,7 +998,9 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
     q, k, v, d_out = draw(B, H, L, E), draw(B, Hkv, L, E), draw(B, Hkv, L, E), draw(B, H, L, E)
     # this rank's parts: (B, H | Hkv, L / world, E)
     local = [shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
-    attend = ulysses_attention if strategy == "ulysses" else functools.partial(ring_attention, layout=layout)
+    attend = functools.partial(ring_attention, layout=layout)
+    if strategy == "ulysses":
+        attend = ulysses_attention
     with count_communication() as stats:
         out = attend(*local, is_causal=is_causal, enable_gqa=True)
         out.backward(shard(d_out, layout=layout))  # this rank's part of dO

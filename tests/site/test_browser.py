@@ -175,6 +175,32 @@ def test_tutorial_code_does_not_scroll_sideways_on_a_phone(browser, site_url: st
         context.close()
 
 
+WRAPPED_LINES = """() => [...document.querySelectorAll('article pre > code > span[id^="__span-"]')]
+  .filter(line => line.getClientRects().length && line.textContent.trim())
+  .filter(line => {
+    const height = parseFloat(getComputedStyle(line).lineHeight);
+    return line.getBoundingClientRect().height > 1.5 * height;
+  })
+  .map(line => line.textContent.trimEnd())"""
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if re.match(r"tutorial/0[1-6]", s)])
+def test_tutorial_code_lines_fit_a_phone_unwrapped(browser, site_url: str, built_site: Path, source: str):
+    """Tutorial pages 1 to 6 are written at most 44 columns wide, code and printed output: at 390 px no
+    line of theirs wraps (a wrapped line hangs under its start with a bar, but reads worse)."""
+    built_page(built_site, source)
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    try:
+        phone = context.new_page()
+        phone.goto(site_url + page_path(source))
+        phone.wait_for_load_state("networkidle")
+        phone.evaluate("document.querySelectorAll('article details').forEach(d => d.open = true)")
+        wrapped = phone.evaluate(WRAPPED_LINES)
+    finally:
+        context.close()
+    assert not wrapped, f"{source}: {len(wrapped)} lines wrap at 390 px, e.g. {wrapped[:3]}"
+
+
 def shows_head_grid(source: str) -> bool:
     """Whether an executed block of the page inlines a per-head grid (one SVG per head)."""
     return any("head_grid_html(" in block.code for block in find_blocks(DOCS / source))
