@@ -70,6 +70,7 @@ from attention_ref._validation import fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
 from attention_ref.tiled import _batch_shape
+from attention_ref.varlen import _check_cu_seqlens
 
 __all__ = [
     "CommStats",
@@ -472,6 +473,26 @@ def _causal_keep(q_chunk: int, kv_chunk: int, chunk: int, device: torch.device) 
     return kv_pos[None, :] <= q_pos[:, None]
 
 
+def _block_keep(block: RingBlock, chunk: int, device: torch.device, documents: torch.Tensor | None
+                ) -> torch.Tensor | None:
+    """``(chunk, chunk)`` bool of a chunk pair, True where the key takes part: the causal mask of a
+    diagonal pair (``"masked"``), and with packed sequences (``documents``: the ``(N,)`` sequence
+    index of every global position) only keys of the query's own sequence. None: every pair."""
+    keep = _causal_keep(block.q_chunk, block.kv_chunk, chunk, device) if block.kind == "masked" else None
+    if documents is None:
+        return keep
+    q_docs = documents[block.q_chunk * chunk:(block.q_chunk + 1) * chunk]  # (chunk,) global positions
+    kv_docs = documents[block.kv_chunk * chunk:(block.kv_chunk + 1) * chunk]
+    same = q_docs[:, None] == kv_docs[None, :]  # (chunk, chunk): no attention across sequences
+    return same if keep is None else keep & same
+
+
+def _documents(cu_seqlens: object, total: int, device: torch.device) -> torch.Tensor:
+    """``(total,)`` int64: the index of the packed sequence each global position belongs to."""
+    cu = _check_cu_seqlens("cu_seqlens", cu_seqlens, total, "the full length (the local length x world)", device)
+    return torch.searchsorted(cu[1:].contiguous(), torch.arange(total, device=device), right=True)
+
+
 def _reduce_like(grad: torch.Tensor, like: torch.Tensor, group_size: int) -> torch.Tensor:
     """A gradient computed for the expanded heads and broadcast batch, summed back to ``like``'s shape."""
     if group_size > 1:
@@ -484,7 +505,8 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention of the local slices; see `ring_attention`. Shapes in the legend, ``n = L / world``."""
 
     @staticmethod
-    def forward(ctx, query, key, value, is_causal, scale, enable_gqa, group, layout, rank, world):  # type: ignore[override]
+    def forward(ctx, query, key, value, is_causal, scale, enable_gqa, group, layout, rank, world,  # type: ignore[override]
+                documents=None):
         compute = torch.promote_types(query.dtype, torch.float32)
         n = query.shape[-2]
         slices = _chunk_slices(n, layout)
@@ -502,7 +524,7 @@ class _RingAttention(torch.autograd.Function):
                 _record(forward_steps=1, forward_bytes=(k_cur.numel() + v_cur.numel()) * k_cur.element_size())
             k_c, v_c = k_cur.to(compute), v_cur.to(compute)  # (..., Hkv, n, E), (..., Hkv, n, Ev)
             blocks = [b for b in schedule if b.step == step]
-            if not is_causal:  # every pair is full: one call for the whole slice
+            if not is_causal and documents is None:  # every pair is full: one call for the whole slice
                 o, s = scaled_dot_product_attention(q, k_c, v_c, scale=scale, enable_gqa=enable_gqa, return_lse=True)
                 o_parts, s_parts = [o[..., sl, :] for sl in slices], [s[..., sl] for sl in slices]
                 for i in range(len(slices)):
@@ -516,7 +538,7 @@ class _RingAttention(torch.autograd.Function):
                         continue
                     i = _chunk_ids(rank, world, layout).index(block.q_chunk)  # local query chunk
                     kv_sl = slices[_chunk_ids(block.source, world, layout).index(block.kv_chunk)]
-                    keep = _causal_keep(block.q_chunk, block.kv_chunk, chunk, q.device) if block.kind == "masked" else None
+                    keep = _block_keep(block, chunk, q.device, documents)
                     # (..., H, chunk, E) against (..., Hkv, chunk, E): the partial result and its lse.
                     o, s = scaled_dot_product_attention(q[..., slices[i], :], k_c[..., kv_sl, :], v_c[..., kv_sl, :],
                                                         keep, scale=scale, enable_gqa=enable_gqa, return_lse=True)
@@ -527,14 +549,14 @@ class _RingAttention(torch.autograd.Function):
         output = torch.cat(out, dim=-2)  # type: ignore[arg-type]  # (..., H, n, Ev), compute dtype
         row_lse = torch.cat(lse, dim=-1)  # type: ignore[arg-type]  # (..., H, n)
         ctx.save_for_backward(query, key, value, output, row_lse)
-        ctx.options = (is_causal, scale, enable_gqa, group, layout, rank, world)
+        ctx.options = (is_causal, scale, enable_gqa, group, layout, rank, world, documents)
         return output, row_lse  # sink-free, in the compute dtype: ring_attention adds the sink and casts
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse):  # type: ignore[override]
         query, key, value, output, row_lse = ctx.saved_tensors
-        is_causal, scale, enable_gqa, group, layout, rank, world = ctx.options
+        is_causal, scale, enable_gqa, group, layout, rank, world, documents = ctx.options
         compute = output.dtype
         n = query.shape[-2]
         slices = _chunk_slices(n, layout)
@@ -565,7 +587,7 @@ class _RingAttention(torch.autograd.Function):
             for block in (b for b in schedule if b.step == step and b.kind != "skipped"):
                 q_sl = slices[_chunk_ids(rank, world, layout).index(block.q_chunk)]
                 kv_sl = slices[_chunk_ids(block.source, world, layout).index(block.kv_chunk)]
-                keep = _causal_keep(block.q_chunk, block.kv_chunk, chunk, q.device) if block.kind == "masked" else None
+                keep = _block_keep(block, chunk, q.device, documents)
                 q_b, k_b, v_b, do_b = q[..., q_sl, :], k_c[..., kv_sl, :], v_c[..., kv_sl, :], d_o[..., q_sl, :]
                 # FlashAttention-2's backward of one block, with the saved lse of the whole row:
                 # P = exp(S - lse), the block's exact softmax weights: (..., H, chunk, chunk)
@@ -598,7 +620,7 @@ class _RingAttention(torch.autograd.Function):
         if carried is not None:  # what the other W - 1 ranks added to this rank's slice
             dk_total, dv_total = dk_total + carried[0], dv_total + carried[1]
         return (dq.to(query.dtype), dk_total.to(key.dtype), dv_total.to(value.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def ring_attention(
@@ -612,6 +634,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Attention of this rank's query slice over the whole sequence, its keys and values spread over the ranks.
 
@@ -669,6 +692,11 @@ def ring_attention(
             the one data/context-parallel training already runs over the
             replicated parameters' gradients (DDP, FSDP); summing here as well
             would count it ``world`` times.
+        cu_seqlens: ``(S + 1,)`` cumulative lengths of ``S`` sequences packed along the
+            whole length (as `attention_ref.varlen.varlen_attention` takes them, from 0 to
+            ``n * world``; Megatron's THD batches): no query attends across a boundary, and
+            ``is_causal`` applies within each sequence. Sharded like any packed batch, with
+            either layout; every rank passes the same offsets. None: one sequence.
 
     Returns:
         ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
@@ -711,7 +739,9 @@ def ring_attention(
         batch = _batch_shape(query, key, value, enable_gqa)
         check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))  # this rank's queries
     # (..., H, n, Ev) and (..., H, n): the sink-free result over every key of the ring, compute dtype
-    output, lse = _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world)
+    documents = None if cu_seqlens is None else _documents(cu_seqlens, n * world, query.device)  # (n * world,)
+    output, lse = _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world,
+                                       documents)
     if sinks is not None:
         output, _ = add_sinks(output, lse, sinks)  # once per query, after the last merge
     return output.to(query.dtype)
@@ -757,6 +787,7 @@ def ulysses_attention(
     enable_gqa: bool = False,
     group: dist.ProcessGroup | None = None,
     sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""DeepSpeed-Ulysses: trade the sequence slices for head slices, attend, trade back.
 
@@ -793,6 +824,9 @@ def ulysses_attention(
             ``r`` applies the sinks of its heads to every query of them; its gradient is
             **this rank's share** (nonzero on its heads only), as in `ring_attention`: the
             ranks' gradients sum to the whole.
+        cu_seqlens: ``(S + 1,)`` cumulative lengths of sequences packed along the whole
+            length (from 0 to ``n * W``), as in `ring_attention`: no attention across a
+            boundary, ``is_causal`` within each sequence.
 
     Returns:
         ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
@@ -843,7 +877,11 @@ def ulysses_attention(
         sinks = sinks[heads]
     # (..., H, n, E) -> (..., H / W, L, E): head slices over the whole sequence, in rank (= position) order
     q, k, v = (_AllToAll.apply(t, -3, -2, group, world) for t in (query, key, value))
-    out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
+    keep = None
+    if cu_seqlens is not None:  # (L, L): keys of the query's own sequence only
+        documents = _documents(cu_seqlens, n * world, query.device)
+        keep = documents[:, None] == documents[None, :]
+    out = scaled_dot_product_attention(q, k, v, keep, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                                        sinks=sinks)  # (..., H / W, L, Ev)
     return _AllToAll.apply(out, -2, -3, group, world)  # (..., H / W, L, Ev) -> (..., H, n, Ev)
 
