@@ -83,6 +83,7 @@ __all__ = [
     "spawn",
     "ulysses_attention",
     "unshard",
+    "usp_attention",
 ]
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -884,6 +885,79 @@ def ulysses_attention(
     out = scaled_dot_product_attention(q, k, v, keep, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                                        sinks=sinks)  # (..., H / W, L, Ev)
     return _AllToAll.apply(out, -2, -3, group, world)  # (..., H / W, L, Ev) -> (..., H, n, Ev)
+
+
+def usp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    ulysses_group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    layout: str = "contiguous",
+    sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""USP (unified sequence parallelism): Ulysses inside a group of ranks, the ring across groups.
+
+    ``W = U x R`` ranks form a grid: ``ulysses_group`` holds the ``U`` ranks of one row,
+    ``ring_group`` the ``R`` ranks of one column (the same position in every row). The
+    sequence is cut first across the ring (`shard` with ``group=ring_group`` and
+    ``layout``: ``R`` blocks, or ``2R`` zigzag chunks), then each block across the row
+    (`shard` with ``group=ulysses_group``, ``"contiguous"``). One all-to-all in the row
+    gives each rank ``H / U`` heads over its row's block; `ring_attention` across the
+    column passes the blocks around (Ulysses' heads stay on fast links inside a node,
+    the ring's steps cross nodes); one all-to-all back. Equal (up to rounding) to the
+    attention of the unsharded tensors, sharded the same two ways.
+
+    Args:
+        query: ``(..., H, n, E)``, this rank's slice, ``n = L / (U R)``, ``H`` a multiple of ``U``.
+        key: ``(..., H, n, E)``, or ``(..., Hkv, n, E)`` with ``enable_gqa`` (``Hkv`` a
+            multiple or a divisor of ``U``, as in `ulysses_attention`).
+        value: ``(..., H, n, Ev)``, or ``(..., Hkv, n, Ev)``.
+        ulysses_group: this rank's row (``None``: the default group, a single row).
+        ring_group: this rank's column (``None``: the default group, a single column).
+        is_causal: causal attention over the global positions.
+        scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
+        enable_gqa: grouped-query attention.
+        layout: the ring's layout of the blocks, ``"contiguous"`` or ``"zigzag"``.
+        sinks: ``(H,)`` per-head sinks, the same on every rank; the gradient is this rank's share.
+        cu_seqlens: packed sequences along the whole length, as in `ring_attention`.
+
+    Returns:
+        ``(..., H, n, Ev)``, this rank's slice of the output.
+
+    Raises:
+        As `ulysses_attention` (for ``U``) and `ring_attention` (for ``R``).
+    """
+    layout = _check_layout(layout)
+    u_rank, u_world = _group_info(ulysses_group, "usp_attention (ulysses_group)")
+    _, r_world = _group_info(ring_group, "usp_attention (ring_group)")
+    query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
+    H, Hkv, n = query.shape[-3], key.shape[-3], query.shape[-2]
+    if H % u_world:
+        raise ValueError(f"usp_attention cuts the query heads across the Ulysses group: H={H} query heads must be a "
+                         f"multiple of its size U={u_world}")
+    if Hkv % u_world and u_world % Hkv:
+        raise ValueError(f"usp_attention needs the key/value heads Hkv={Hkv} to be a multiple or a divisor of the "
+                         f"Ulysses group's size U={u_world}")
+    if Hkv % u_world:  # one copy of each key/value head per rank of the row, as in ulysses_attention
+        key, value = (t.repeat_interleave(u_world // Hkv, dim=-3) for t in (key, value))
+    heads = slice(u_rank * H // u_world, (u_rank + 1) * H // u_world)
+    if sinks is not None:
+        if sinks.dim() != 1:
+            raise NotImplementedError(f"usp_attention takes one sink per head, (H,)=({H},); got sinks of shape "
+                                      f"{fmt_shape(sinks.shape)}")
+        check_sinks(sinks, H, query)
+        sinks = sinks[heads]
+    # (..., H, n, E) -> (..., H / U, U n, E): this row's block of the sequence, this rank's heads
+    q, k, v = (_AllToAll.apply(t, -3, -2, ulysses_group, u_world) for t in (query, key, value))
+    out = ring_attention(q, k, v, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa, group=ring_group,
+                         layout=layout, sinks=sinks, cu_seqlens=cu_seqlens)  # (..., H / U, U n, Ev)
+    return _AllToAll.apply(out, -2, -3, ulysses_group, u_world)  # -> (..., H, n, Ev)
 
 
 # --- local processes --------------------------------------------------------------------------
