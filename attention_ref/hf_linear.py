@@ -14,7 +14,7 @@ transformers' own back afterwards:
 | | ``torch_recurrent_gated_delta_rule`` | `attention_ref.linear.gated_delta_rule`, ``mode="recurrent"`` |
 | ``kimi_linear`` | ``chunk_kimi_delta_attention`` | `attention_ref.linear.kimi_delta_attention`, ``mode="chunked"`` |
 | | ``recurrent_kimi_delta_attention`` | `attention_ref.linear.kimi_delta_attention`, ``mode="recurrent"`` |
-| ``bamba``, ``granitemoehybrid``, ``falcon_h1`` | ``mamba2_chunk_scan`` | `attention_ref.linear.ssd`, ``mode="quadratic"`` |
+| ``bamba``, ``granitemoehybrid``, ``falcon_h1`` | ``mamba2_chunk_scan`` | `attention_ref.linear.ssd`, ``mode="chunked"`` |
 | | ``mamba2_selective_state_update`` | `attention_ref.linear.ssd`, ``mode="recurrent"``, one token |
 
 What stays transformers': the projections, the short causal convolution and its cache,
@@ -33,8 +33,8 @@ adapters only translate conventions at the boundary:
   ``(B, H, P, N)``, value channels first: `attention_ref.linear.state_vk_to_kv` and
   `attention_ref.linear.state_kv_to_vk` convert it at the boundary, and the cache's
   tensor is updated in place as transformers' update does. Falcon-H1's ``z`` gate
-  (``out * silu(z)``) is applied after the recurrence, as in transformers. The chunk size
-  is not used: the quadratic form is the chunked form with one chunk.
+  (``out * silu(z)``) is applied after the recurrence, as in transformers. The scan runs
+  in chunks of the model's own ``chunk_size``.
 
 The computation precision follows transformers' fallbacks: Mamba-2's inputs are brought to
 at least float32 (transformers calls ``.float()``), and the output is returned in the
@@ -160,7 +160,8 @@ def _mamba2_chunk_scan(calls: Counter) -> Callable[..., Any]:
         state = None if initial_states is None else linear.state_vk_to_kv(initial_states.to(dtype))  # (B, H, N, P)
         y, final = linear.ssd(hidden_states.to(dtype), dt.to(dtype), A.to(dtype), B.to(dtype), C.to(dtype),
                               D=None if D is None else D.to(dtype), initial_state=state,
-                              output_final_state=return_final_states, mode="quadratic")  # y: (B, L, H, P)
+                              output_final_state=return_final_states, mode="chunked",
+                              chunk_size=chunk_size)  # y: (B, L, H, P)
         if return_final_states:
             return y, linear.state_kv_to_vk(final)  # (B, H, N, P) -> (B, H, P, N)
         return y
