@@ -316,7 +316,7 @@ def _channel_scores(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, out: 
     C = a.shape[-2]
     out = a.new_empty(*a.shape[:-1], C) if out is None else out  # (..., C, C)
     above = torch.ones(C, C, dtype=torch.bool, device=a.device).triu(1)
-    if bool((gamma[..., -1, :] >= -_FACTOR_RANGE).all()):
+    if gamma.is_meta or bool((gamma[..., -1, :] >= -_FACTOR_RANGE).all()):  # meta: shapes only
         out[...] = _factored_scores(a, b, (gamma, gamma), gamma.new_zeros(1))
         return out.masked_fill_(above, 0.0)
     out.zero_()
