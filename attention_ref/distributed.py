@@ -931,7 +931,10 @@ def usp_attention(
         ``(..., H, n, Ev)``, this rank's slice of the output.
 
     Raises:
-        As `ulysses_attention` (for ``U``) and `ring_attention` (for ``R``).
+        RuntimeError: no process group is initialised, or this process is not in a group.
+        ValueError: ``H`` not a multiple of ``U``, or ``Hkv`` neither a multiple nor a divisor
+            of it; as `ring_attention` for the blocks of the ring (lengths, layout, offsets).
+        NotImplementedError: ``sinks`` with one value per query.
     """
     layout = _check_layout(layout)
     u_rank, u_world = _group_info(ulysses_group, "usp_attention (ulysses_group)")
