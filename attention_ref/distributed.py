@@ -778,6 +778,37 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, gather, scatter, group, world, "backward_all_to_all"), None, None, None, None
 
 
+def _head_slices(caller: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 sinks: torch.Tensor | None, enable_gqa: bool, rank: int, world: int, size_name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What Ulysses' exchange needs, checked (one local length; ``H`` a multiple of ``world``; ``Hkv`` a
+    multiple or a divisor of it; per-head sinks): the key and value with each head repeated once per rank
+    where there are fewer of them than ranks, and this rank's heads' sinks."""
+    n = query.shape[-2]
+    if key.shape[-2] != n:
+        raise ValueError(
+            f"{caller} needs query and key slices of one sequence, the same local length (dim -2): "
+            f"query {fmt_shape(query.shape)} has {n}, key {fmt_shape(key.shape)} has {key.shape[-2]}")
+    H, Hkv = query.shape[-3], key.shape[-3]
+    if H % world:
+        raise ValueError(f"{caller} cuts the query heads across the ranks: H={H} query heads must be "
+                         f"a multiple of {size_name} W={world} (each rank takes H / W of them)")
+    if Hkv % world and world % Hkv:
+        raise ValueError(f"{caller} needs the key/value heads Hkv={Hkv} to be a multiple of {size_name} "
+                         f"W={world} (cut like the query heads) or a divisor of it (each repeated W / Hkv times)")
+    if Hkv % world:  # fewer key/value heads than ranks: one copy per rank, (..., Hkv, n, E) -> (..., W, n, E)
+        key, value = (t.repeat_interleave(world // Hkv, dim=-3) for t in (key, value))
+    if sinks is not None:
+        batch = _batch_shape(query, key, value, enable_gqa)
+        check_sinks(sinks, heads_of(batch), query, rows=(*batch, n))
+        if sinks.dim() != 1:
+            raise NotImplementedError(
+                f"{caller} takes one sink per head, (H,)=({H},); sinks of shape {fmt_shape(sinks.shape)} "
+                "give one per query, which ring_attention shards with the queries")
+        sinks = sinks[rank * H // world:(rank + 1) * H // world]  # this rank's query heads after the exchange
+    return key, value, sinks
+
+
 def ulysses_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -853,29 +884,8 @@ def ulysses_attention(
     rank, world = _group_info(group, "ulysses_attention")
     query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
     n = query.shape[-2]
-    if key.shape[-2] != n:
-        raise ValueError(
-            f"ulysses_attention needs query and key slices of one sequence, the same local length (dim -2): "
-            f"query {fmt_shape(query.shape)} has {n}, key {fmt_shape(key.shape)} has {key.shape[-2]}")
-    H, Hkv = query.shape[-3], key.shape[-3]
-    if H % world:
-        raise ValueError(f"ulysses_attention cuts the query heads across the ranks: H={H} query heads must be "
-                         f"a multiple of the world size W={world} (each rank takes H / W of them)")
-    if Hkv % world and world % Hkv:
-        raise ValueError(f"ulysses_attention needs the key/value heads Hkv={Hkv} to be a multiple of the world "
-                         f"size W={world} (cut like the query heads) or a divisor of it (each repeated W / Hkv "
-                         f"times)")
-    if Hkv % world:  # fewer key/value heads than ranks: one copy per rank, (..., Hkv, n, E) -> (..., W, n, E)
-        key, value = (t.repeat_interleave(world // Hkv, dim=-3) for t in (key, value))
-    heads = slice(rank * H // world, (rank + 1) * H // world)  # this rank's query heads after the exchange
-    if sinks is not None:
-        batch = _batch_shape(query, key, value, enable_gqa)
-        check_sinks(sinks, heads_of(batch), query, rows=(*batch, n))
-        if sinks.dim() != 1:
-            raise NotImplementedError(
-                f"ulysses_attention takes one sink per head, (H,)=({H},); sinks of shape {fmt_shape(sinks.shape)} "
-                "give one per query, which ring_attention shards with the queries")
-        sinks = sinks[heads]
+    key, value, sinks = _head_slices("ulysses_attention", query, key, value, sinks, enable_gqa, rank, world,
+                                     "the world size")
     # (..., H, n, E) -> (..., H / W, L, E): head slices over the whole sequence, in rank (= position) order
     q, k, v = (_AllToAll.apply(t, -3, -2, group, world) for t in (query, key, value))
     keep = None
@@ -940,22 +950,8 @@ def usp_attention(
     u_rank, u_world = _group_info(ulysses_group, "usp_attention (ulysses_group)")
     _, r_world = _group_info(ring_group, "usp_attention (ring_group)")
     query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
-    H, Hkv, n = query.shape[-3], key.shape[-3], query.shape[-2]
-    if H % u_world:
-        raise ValueError(f"usp_attention cuts the query heads across the Ulysses group: H={H} query heads must be a "
-                         f"multiple of its size U={u_world}")
-    if Hkv % u_world and u_world % Hkv:
-        raise ValueError(f"usp_attention needs the key/value heads Hkv={Hkv} to be a multiple or a divisor of the "
-                         f"Ulysses group's size U={u_world}")
-    if Hkv % u_world:  # one copy of each key/value head per rank of the row, as in ulysses_attention
-        key, value = (t.repeat_interleave(u_world // Hkv, dim=-3) for t in (key, value))
-    heads = slice(u_rank * H // u_world, (u_rank + 1) * H // u_world)
-    if sinks is not None:
-        if sinks.dim() != 1:
-            raise NotImplementedError(f"usp_attention takes one sink per head, (H,)=({H},); got sinks of shape "
-                                      f"{fmt_shape(sinks.shape)}")
-        check_sinks(sinks, H, query)
-        sinks = sinks[heads]
+    key, value, sinks = _head_slices("usp_attention", query, key, value, sinks, enable_gqa, u_rank, u_world,
+                                     "the Ulysses group's size")
     # (..., H, n, E) -> (..., H / U, U n, E): this row's block of the sequence, this rank's heads
     q, k, v = (_AllToAll.apply(t, -3, -2, ulysses_group, u_world) for t in (query, key, value))
     out = ring_attention(q, k, v, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa, group=ring_group,
