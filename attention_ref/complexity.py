@@ -44,6 +44,7 @@ __all__ = [
     "ring_attention_bytes",
     "sliding_window_pairs",
     "ulysses_attention_bytes",
+    "usp_attention_bytes",
 ]
 
 
@@ -331,7 +332,7 @@ def linear_state_bytes(num_heads: int, key_dim: int, value_dim: int, *, bytes_pe
 
 def _context_parallel_sizes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, world: int,
                             bytes_per_element: int) -> int:
-    """Checks the sizes of the two context-parallel formulas; returns ``n = L / world``."""
+    """Checks the sizes of the context-parallel formulas; returns ``n = L / world``."""
     for name, value in (("B", B), ("H", H), ("Hkv", Hkv), ("L", L), ("E", E), ("Ev", Ev), ("world", world),
                         ("bytes_per_element", bytes_per_element)):
         check_positive_int(name, value)
@@ -351,8 +352,14 @@ def ring_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, worl
     $$
 
     which grows with ``W`` toward ``B H_kv L (E + E_v)``: every rank sees every key. ``H``
-    is not used (the queries stay); it is an argument so that the two formulas take the
+    is not used (the queries stay); it is an argument so that the formulas take the
     same ones. The backward pass sends the same again, plus the dK/dV accumulators.
+
+    That is the whole ring, what every rank sends when every rank needs every slice (no
+    mask, or the zigzag layout under a causal mask), and the most any rank sends otherwise:
+    a slice stops where no rank further along needs it (`attention_ref.distributed.ring_hops`;
+    a causal contiguous ring, a sliding window), and the busiest rank sends this much under
+    a causal mask on the contiguous layout.
 
     Examples:
         >>> ring_attention_bytes(1, 32, 8, 131072, 128, 128, 8) // 2**20   # Llama 3 8B, 128k, 8 ranks, MiB
@@ -394,3 +401,56 @@ def ulysses_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, w
         raise ValueError(f"Hkv={Hkv} key/value heads must be a multiple or a divisor of world={world} for Ulysses")
     kv_heads = Hkv if Hkv % world == 0 else world
     return (world - 1) * B * n * (H * E + kv_heads * (E + Ev) + H * Ev) * bytes_per_element // world
+
+
+def usp_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, ulysses: int, ring: int, *,
+                        bytes_per_element: int = 2) -> int:
+    r"""Bytes one rank sends in the forward pass of `attention_ref.distributed.usp_attention`.
+
+    ``W = U R`` ranks (``U = ulysses`` in a row, ``R = ring`` in a column), each holding
+    ``n = L / (U R)`` positions. The four all-to-alls inside the row are Ulysses' on ``U``
+    ranks; between them, the ring across the column passes the key/value block this rank
+    holds after the first all-to-all, ``H'_kv / U`` heads over the row's ``U n`` positions,
+    ``R - 1`` times:
+
+    $$
+    \Big[\underbrace{\frac{U - 1}{U}\, B\, n\, \big(H E + H'_{kv} (E + E_v) + H E_v\big)}_{\text{all-to-alls in the row}}
+    + \underbrace{(R - 1)\, B\, H'_{kv}\, n\, (E + E_v)}_{\text{ring across the column}}\Big]
+    \times \text{bytes per element},
+    $$
+
+    with ``H'_kv = H_kv`` when ``H_kv`` is a multiple of ``U``, else ``U`` (each key/value
+    head repeated so that every rank of the row receives one; the copies travel the ring
+    too). ``ring=1`` gives `ulysses_attention_bytes` on ``U`` ranks, ``ulysses=1``
+    `ring_attention_bytes` on ``R``. The ring term counts the whole ring, what every rank
+    sends when every rank needs every block (no mask, or the zigzag layout under a causal
+    mask); for the same ``L`` it is ``1 / U`` of `ring_attention_bytes` on ``R`` ranks
+    (``H_kv`` a multiple of ``U``): a rank passes on ``1 / U`` of the heads of its row's
+    block. The backward pass sends the same again, plus the ring's dK/dV accumulators.
+
+    Raises:
+        ValueError: ``L`` not a multiple of ``ulysses * ring`` (the world size); ``H`` not a
+            multiple of ``ulysses``, or ``Hkv`` neither a multiple nor a divisor of it
+            (`attention_ref.distributed.usp_attention` refuses those too).
+
+    Examples:
+        >>> llama = dict(B=1, H=32, Hkv=8, L=131072, E=128, Ev=128)   # Llama 3 8B, 128k tokens
+        >>> usp_attention_bytes(**llama, ulysses=8, ring=2) // 2**20    # 16 ranks: 8 x 2, MiB
+        172
+        >>> usp_attention_bytes(**llama, ulysses=8, ring=1) == ulysses_attention_bytes(**llama, world=8)
+        True
+        >>> usp_attention_bytes(**llama, ulysses=1, ring=8) == ring_attention_bytes(**llama, world=8)
+        True
+    """
+    check_positive_int("ulysses", ulysses)
+    check_positive_int("ring", ring)
+    n = _context_parallel_sizes(B, H, Hkv, L, E, Ev, ulysses * ring, bytes_per_element)
+    if H % ulysses:
+        raise ValueError(f"H={H} query heads must be a multiple of ulysses={ulysses} for USP's all-to-all")
+    if Hkv % ulysses and ulysses % Hkv:
+        raise ValueError(f"Hkv={Hkv} key/value heads must be a multiple or a divisor of ulysses={ulysses} "
+                         "for USP's all-to-all")
+    kv_heads = Hkv if Hkv % ulysses == 0 else ulysses
+    row = (ulysses - 1) * B * n * (H * E + kv_heads * (E + Ev) + H * Ev) // ulysses  # exact: U divides both
+    column = (ring - 1) * B * kv_heads * n * (E + Ev)
+    return (row + column) * bytes_per_element

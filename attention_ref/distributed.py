@@ -9,7 +9,7 @@ algebra of the online softmax (`attention_ref.functional.merge_attention`), so
 the result equals `attention_ref.functional.scaled_dot_product_attention` on
 the whole sequence up to rounding.
 
-Two layouts say which positions a rank holds (`shard`, `unshard`), for a full
+Three layouts say which positions a rank holds (`shard`, `unshard`), for a full
 length ``N`` and ``world`` ranks:
 
 - ``"contiguous"``: rank ``r`` holds the ``r``-th of ``world`` equal slices.
@@ -18,18 +18,26 @@ length ``N`` and ``world`` ranks:
 - ``"zigzag"`` (the default): the sequence is cut into ``2 * world`` equal chunks
   and rank ``r`` holds chunks ``r`` and ``2 * world - 1 - r``, one early and one
   late, so that every rank does the same causal work (`ring_schedule` lists it).
+- ``"zigzag-per-sequence"``: Megatron's sharding of packed (THD) batches, the zigzag
+  of every packed sequence (``cu_seqlens``) at once, which balances many causal
+  triangles where the whole-row zigzag balances one.
 
 What the module gives:
 
 - `ring_attention`: the local slices in, this rank's output slice out, with a
   backward pass that sends the key/value gradients around the ring to their owners;
-- `shard` / `unshard`: a full tensor to this rank's part and back;
+  a ``mask_mod`` over global positions (a sliding window, a block mask) makes it skip
+  the chunk pairs no query sees and the slices no rank further along needs;
+- `ulysses_attention` and `usp_attention`: DeepSpeed-Ulysses' all-to-all from sequence
+  slices to head slices, and USP, Ulysses inside groups with the ring across them;
+- `shard` / `unshard`: a full tensor to this rank's part and back; `shard_positions`:
+  which positions each rank holds, without a process group;
 - `ring_schedule`: which key/value chunk each rank meets at each step, and whether
-  it is computed in full, with a causal mask, or skipped;
+  it is computed in full, with a mask, or skipped; `ring_hops`: how far each slice travels;
 - `count_communication` / `CommStats`: the sends of `ring_attention`, counted;
 - `spawn` / `demo_worker`: run a function in ``world`` local CPU processes joined
   by the gloo backend (for tests and the documentation), and a worker that
-  checks the ring against one process.
+  checks the ring, Ulysses or USP against one process.
 
 Every rank must call the collective functions in the same order with tensors of
 the same shapes (as every ``torch.distributed`` program): nothing checks it, a
@@ -66,6 +74,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attention_ref import _inputs
+from attention_ref import mods as _mods
 from attention_ref._validation import fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
@@ -78,18 +87,21 @@ __all__ = [
     "count_communication",
     "demo_worker",
     "ring_attention",
+    "ring_hops",
     "ring_schedule",
     "shard",
+    "shard_positions",
     "spawn",
     "ulysses_attention",
     "unshard",
     "usp_attention",
 ]
 
-LAYOUTS = ("zigzag", "contiguous")
-# Tags keep the four kinds of message apart on backends that match messages by tag (gloo);
-# NCCL ignores them and matches by order, which is the same on every rank.
-_TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 0, 1, 2, 3
+LAYOUTS = ("zigzag", "contiguous", "zigzag-per-sequence")
+# Tags keep the kinds of message apart on backends that match messages by tag (gloo); NCCL ignores
+# them and matches by order, which is the same on every rank. _TAG_RET_*: a slice's dK/dV
+# accumulator going back to its owner from the last rank that needed the slice.
+_TAG_K, _TAG_V, _TAG_DK, _TAG_DV, _TAG_RET_DK, _TAG_RET_DV = 0, 1, 2, 3, 4, 5
 
 
 # --- layouts ----------------------------------------------------------------------------------
@@ -102,12 +114,41 @@ def _check_layout(layout: object) -> str:
 
 
 def _chunks_per_rank(layout: str) -> int:
-    return 2 if layout == "zigzag" else 1
+    return 1 if layout == "contiguous" else 2
 
 
 def _chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
     """The global chunks rank ``rank`` holds, in its local order (chunks of ``N / (world * per_rank)``)."""
     return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+class _Piece(NamedTuple):
+    """A run of consecutive global positions that one rank holds: one chunk of its layout."""
+
+    chunk: int  # the chunk's global index, in position order
+    start: int  # the global position of its first element
+    length: int
+    local: int  # where it starts in the rank's local slice
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.local, self.local + self.length)
+
+
+def _pieces(rank: int, world: int, local_len: int, layout: str, cu: list[int] | None = None) -> list[_Piece]:
+    """The chunks rank ``rank`` holds, in its local order. ``"zigzag-per-sequence"`` cuts every packed
+    sequence of ``cu`` (the offsets, a list) into ``2 * world`` chunks and gives the rank chunks
+    ``rank`` and ``2 * world - 1 - rank`` of each, numbered ``2 * world * sequence + chunk``."""
+    if layout != "zigzag-per-sequence":
+        c = local_len // _chunks_per_rank(layout)
+        return [_Piece(j, j * c, c, i * c) for i, j in enumerate(_chunk_ids(rank, world, layout))]
+    pieces: list[_Piece] = []
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # type: ignore[index]
+        c = (b - a) // (2 * world)  # this sequence's chunk length
+        for j in (rank, 2 * world - 1 - rank) if c else ():
+            local = pieces[-1].local + pieces[-1].length if pieces else 0
+            pieces.append(_Piece(2 * world * i + j, a + j * c, c, local))
+    return pieces
 
 
 def _group_info(group: dist.ProcessGroup | None, caller: str) -> tuple[int, int]:
@@ -129,12 +170,74 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def _positions(rank: int, world: int, local_len: int, layout: str, device: torch.device | str | None = None
-               ) -> torch.Tensor:
+def _positions(rank: int, world: int, local_len: int, layout: str, device: torch.device | str | None = None,
+               cu: list[int] | None = None) -> torch.Tensor:
     """The global positions ``(local_len,)`` that rank ``rank`` holds, in its local order."""
-    chunk = local_len // _chunks_per_rank(layout)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
-                      for c in _chunk_ids(rank, world, layout)])
+    runs = [torch.arange(p.start, p.start + p.length, device=device) for p in _pieces(rank, world, local_len, layout, cu)]
+    return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def shard_positions(world: int, length: int, *, layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None
+                    ) -> list[torch.Tensor]:
+    """The global positions each rank holds under a layout, in its local order: what `shard` takes.
+
+    No process group is needed: a data loader can cut each rank's batch itself (as Megatron's
+    ``get_batch_on_this_cp_rank`` does) with ``x.index_select(dim, shard_positions(...)[rank])``.
+
+    Args:
+        world: the number of ranks, >= 1.
+        length: the full length ``N``, a multiple of ``world`` (contiguous) or ``2 * world``.
+        layout: ``"zigzag"``, ``"contiguous"`` or ``"zigzag-per-sequence"``.
+        cu_seqlens: the packed sequences' offsets; only with ``"zigzag-per-sequence"``, which
+            needs them (every sequence a multiple of ``2 * world`` long).
+
+    Returns:
+        ``world`` int64 tensors of ``length / world`` positions each.
+
+    Raises:
+        ValueError: ``world < 1``, an unknown layout, a length that does not divide, ``cu_seqlens``
+            missing with ``"zigzag-per-sequence"`` or given with another layout.
+        TypeError: ``world`` or ``length`` is not an int.
+
+    Examples:
+        >>> [p.tolist() for p in shard_positions(2, 8)]
+        [[0, 1, 6, 7], [2, 3, 4, 5]]
+        >>> cu = torch.tensor([0, 4, 12])                   # two packed sequences, of 4 and 8
+        >>> [p.tolist() for p in shard_positions(2, 12, layout="zigzag-per-sequence", cu_seqlens=cu)]
+        [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]
+    """
+    for name, value in (("world", world), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    layout = _check_layout(layout)
+    _refuse_unused_offsets("shard_positions", layout, cu_seqlens)
+    cu = _layout_offsets("shard_positions", layout, cu_seqlens, length, world, None)
+    if length % _required_multiple(world, layout):
+        raise ValueError(f"length must be a multiple of {_required_multiple(world, layout)} with layout={layout!r} "
+                         f"and world={world}, got {length}")
+    return [_positions(rank, world, length // world, layout, cu=cu) for rank in range(world)]
+
+
+def _layout_offsets(caller: str, layout: str, cu_seqlens: object, total: int, world: int,
+                    device: torch.device | None) -> list[int] | None:
+    """The packed offsets as a list where the layout needs them (``"zigzag-per-sequence"``), checked:
+    given, from 0 to ``total``, every sequence a multiple of ``2 * world`` long. None for the others."""
+    if layout != "zigzag-per-sequence":
+        return None
+    if cu_seqlens is None:
+        raise ValueError(f"{caller} with layout='zigzag-per-sequence' needs cu_seqlens (the packed sequences' "
+                         "offsets): each sequence is cut into 2 * world chunks")
+    cu = _check_cu_seqlens("cu_seqlens", cu_seqlens, total, "the full length", device).tolist()
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if (b - a) % (2 * world):
+            raise ValueError(
+                f"{caller} with layout='zigzag-per-sequence' needs every packed sequence to be a multiple of "
+                f"2 * world = {2 * world} long (pad it, as Megatron does), got sequence {i} of length {b - a} "
+                f"(cu_seqlens[{i}:{i + 2}] = {[a, b]})"
+            )
+    return cu
 
 
 def _required_multiple(world: int, layout: str) -> int:
@@ -147,12 +250,16 @@ def shard(
     *,
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's part of a full tensor that every rank holds.
 
     With ``layout="contiguous"`` rank ``r`` gets the ``r``-th of ``world`` equal
     slices along ``dim``; with ``"zigzag"`` it gets chunks ``r`` and
     ``2 * world - 1 - r`` of ``2 * world`` equal chunks, concatenated in that
+    order; with ``"zigzag-per-sequence"`` (Megatron's sharding of packed THD
+    batches) it gets chunks ``r`` and ``2 * world - 1 - r`` of *every* packed
+    sequence of ``cu_seqlens``, each cut into ``2 * world`` chunks, in sequence
     order. No communication: every rank must pass the same full tensor. The
     result is a new tensor (an ``index_select``), differentiable with respect
     to ``x``: the gradient is this rank's slice, put back in place, zeros elsewhere.
@@ -162,14 +269,18 @@ def shard(
             ``world`` (contiguous) or ``2 * world`` (zigzag).
         dim: the sequence dim, ``-2`` for the ``(..., L, E)`` tensors of attention.
         group: the process group (``None``: the default group).
-        layout: ``"zigzag"`` or ``"contiguous"``.
+        layout: ``"zigzag"``, ``"contiguous"`` or ``"zigzag-per-sequence"``.
+        cu_seqlens: ``(S + 1,)`` offsets of the sequences packed along ``dim`` (from 0 to
+            ``x.shape[dim]``, each sequence a multiple of ``2 * world`` long); only with
+            ``"zigzag-per-sequence"``, which needs them.
 
     Returns:
         The part of ``x`` this rank holds: ``x.shape[dim] / world`` positions along ``dim``.
 
     Raises:
         RuntimeError: no process group is initialised.
-        ValueError: an unknown layout, or a length that does not divide.
+        ValueError: an unknown layout, a length that does not divide, ``cu_seqlens``
+            missing with ``"zigzag-per-sequence"`` or given with another layout.
         TypeError: ``x`` is not a tensor.
 
     Examples:
@@ -185,36 +296,49 @@ def shard(
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     length = x.shape[dim]
+    _refuse_unused_offsets("shard", layout, cu_seqlens)
+    cu = _layout_offsets("shard", layout, cu_seqlens, length, world, x.device)
     multiple = _required_multiple(world, layout)
     if length % multiple:
         raise ValueError(
             f"shard with layout={layout!r} needs x.shape[{dim}] to be a multiple of "
-            f"{'2 * world' if layout == 'zigzag' else 'world'} = {multiple}, got {length} (shape {fmt_shape(x.shape)})"
+            f"{'world' if layout == 'contiguous' else '2 * world'} = {multiple}, got {length} "
+            f"(shape {fmt_shape(x.shape)})"
         )
-    index = _positions(rank, world, length // world, layout, x.device)  # (length / world,) global positions
+    index = _positions(rank, world, length // world, layout, x.device, cu)  # (length / world,) global positions
     return x.index_select(dim, index)
+
+
+def _refuse_unused_offsets(caller: str, layout: str, cu_seqlens: object) -> None:
+    """`shard` and `unshard` place positions by the layout alone, except for ``"zigzag-per-sequence"``."""
+    if cu_seqlens is not None and layout != "zigzag-per-sequence":
+        raise ValueError(
+            f"{caller}: cu_seqlens changes where positions go only with layout='zigzag-per-sequence', got "
+            f"layout={layout!r} (its positions do not depend on the sequences: leave cu_seqlens out, and give "
+            "it to ring_attention)"
+        )
 
 
 class _Unshard(torch.autograd.Function):
     """All-gather of the local parts, reordered to the full tensor; backward: all-reduce, then shard."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, layout, world):  # type: ignore[override]
-        ctx.options = (dim, group, layout)
+    def forward(ctx, x, dim, group, layout, world, cu_seqlens, cu):  # type: ignore[override]
+        ctx.options = (dim, group, layout, cu_seqlens)
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous(), group=group)
         # Rank order (rank 0's positions, rank 1's, ...) -> position order.
-        order = torch.cat([_positions(r, world, x.shape[dim], layout) for r in range(world)])
+        order = torch.cat([_positions(r, world, x.shape[dim], layout, cu=cu) for r in range(world)])
         gathered = torch.cat(parts, dim=dim)
         return gathered.index_select(dim, torch.argsort(order).to(x.device))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        dim, group, layout = ctx.options
+        dim, group, layout, cu_seqlens = ctx.options
         # Every rank's copy of the full tensor depends on this rank's part: sum the copies' gradients.
         total = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
         dist.all_reduce(total, group=group)
-        return shard(total, dim, group=group, layout=layout), None, None, None, None
+        return shard(total, dim, group=group, layout=layout, cu_seqlens=cu_seqlens), None, None, None, None, None, None
 
 
 def unshard(
@@ -223,6 +347,7 @@ def unshard(
     *,
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full tensor, on every rank, from each rank's part (the inverse of `shard`).
 
@@ -239,13 +364,16 @@ def unshard(
         dim: the sequence dim.
         group: the process group (``None``: the default group).
         layout: the layout the parts were made with.
+        cu_seqlens: the packed sequences' offsets the parts were made with; only with
+            ``"zigzag-per-sequence"``, which needs them.
 
     Returns:
         The full tensor, ``world * x_local.shape[dim]`` positions along ``dim``.
 
     Raises:
         RuntimeError: no process group is initialised.
-        ValueError: an unknown layout, or an odd local length with ``"zigzag"``.
+        ValueError: an unknown layout, an odd local length with ``"zigzag"``, ``cu_seqlens``
+            missing with ``"zigzag-per-sequence"`` or given with another layout.
         TypeError: ``x_local`` is not a tensor.
 
     Examples:
@@ -266,7 +394,9 @@ def unshard(
             f"unshard with layout='zigzag' needs an even local length (two chunks per rank), got "
             f"x_local.shape[{dim}] = {x_local.shape[dim]}"
         )
-    return _Unshard.apply(x_local, dim, group, layout, world)
+    _refuse_unused_offsets("unshard", layout, cu_seqlens)
+    cu = _layout_offsets("unshard", layout, cu_seqlens, x_local.shape[dim] * world, world, x_local.device)
+    return _Unshard.apply(x_local, dim, group, layout, world, cu_seqlens, cu)
 
 
 # --- the schedule -----------------------------------------------------------------------------
@@ -300,37 +430,135 @@ def _block_kind(q_chunk: int, kv_chunk: int, is_causal: bool) -> str:
     return "masked" if kv_chunk == q_chunk else "skipped"
 
 
-def _rank_schedule(rank: int, world: int, layout: str, is_causal: bool) -> list[RingBlock]:
+class _Mask(NamedTuple):
+    """What decides which key a query sees, over global positions: ``is_causal``, the packed
+    sequences (``documents``: the ``(N,)`` sequence index of every position) and a ``mask_mod``
+    evaluated on the scores' leading dims ``batch`` (``(..., H)``) of a full length ``total``."""
+
+    is_causal: bool
+    documents: torch.Tensor | None = None
+    mask_mod: Callable[..., torch.Tensor] | None = None
+    batch: tuple[int, ...] = ()
+    total: int = 0
+
+    @property
+    def by_index(self) -> bool:
+        """Whether the chunks' indices alone decide (equal chunks, causal or nothing)."""
+        return self.documents is None and self.mask_mod is None
+
+
+def _pair_keep(mask: _Mask, q: _Piece, kv: _Piece, device: torch.device | str | None) -> torch.Tensor | None:
+    """Which keys of chunk ``kv`` the queries of chunk ``q`` see: bool, broadcastable to
+    ``(..., H, q.length, kv.length)``; None: every key (no mask at all)."""
+    q_pos = torch.arange(q.start, q.start + q.length, device=device)  # global positions
+    kv_pos = torch.arange(kv.start, kv.start + kv.length, device=device)
+    keep = kv_pos[None, :] <= q_pos[:, None] if mask.is_causal else None  # (lq, lk)
+    if mask.documents is not None:  # no attention across packed sequences
+        same = mask.documents[q_pos][:, None] == mask.documents[kv_pos][None, :]  # (lq, lk)
+        keep = same if keep is None else keep & same
+    if mask.mask_mod is not None:
+        chosen = _mods.apply_mask_mod(mask.mask_mod, mask.batch, q.length, kv.length, device, q_start=q.start,
+                                      kv_start=kv.start, sizes=(mask.total, mask.total))  # (..., H?, lq, lk)
+        keep = chosen if keep is None else keep & chosen
+    return keep
+
+
+def _kind_of(keep: torch.Tensor | None) -> str:
+    if keep is None or bool(keep.all()):
+        return "full"
+    return "masked" if bool(keep.any()) else "skipped"
+
+
+def _rank_blocks(rank: int, world: int, pieces: list[list[_Piece]], mask: _Mask,
+                 device: torch.device | str | None = None, keeps: dict | None = None) -> list[RingBlock]:
+    """Rank ``rank``'s blocks in ring order; with ``keeps``, the mask of each computed one is stored
+    there under ``(step, q_chunk, kv_chunk)`` (None for a full one)."""
     blocks = []
     for step in range(world):
         source = (rank - step) % world  # whose keys/values this rank holds at this step
-        for q_chunk in _chunk_ids(rank, world, layout):
-            for kv_chunk in _chunk_ids(source, world, layout):
-                blocks.append(RingBlock(step, source, q_chunk, kv_chunk, _block_kind(q_chunk, kv_chunk, is_causal)))
+        for q in pieces[rank]:
+            for kv in pieces[source]:
+                if mask.by_index:
+                    kind = _block_kind(q.chunk, kv.chunk, mask.is_causal)
+                    keep = _pair_keep(mask, q, kv, device) if kind == "masked" and keeps is not None else None
+                else:
+                    keep = _pair_keep(mask, q, kv, device)
+                    kind = _kind_of(keep)
+                blocks.append(RingBlock(step, source, q.chunk, kv.chunk, kind))
+                if keeps is not None and kind != "skipped":
+                    keeps[step, q.chunk, kv.chunk] = keep if kind == "masked" else None
     return blocks
 
 
-def ring_schedule(world: int, *, layout: str = "zigzag", is_causal: bool = True) -> list[list[RingBlock]]:
+def ring_hops(schedule: list[list[RingBlock]]) -> list[int]:
+    """How many hops each rank's key/value slice travels in `ring_attention`.
+
+    Rank ``x``'s slice is at rank ``x + s`` (mod ``W``) at step ``s``; it is passed on only
+    while a rank further along has a block of it to compute, so it travels to the last
+    step at which some rank needs it, and no further (its dK/dV accumulator then goes
+    straight back to rank ``x``). ``W - 1`` for every rank means the whole ring; less
+    means key/value blocks no query of those ranks sees are neither sent nor computed.
+
+    Args:
+        schedule: `ring_schedule`'s result.
+
+    Returns:
+        One number per rank, ``0 .. W - 1``.
+
+    Examples:
+        >>> ring_hops(ring_schedule(4, layout="contiguous"))   # causal: nobody needs later keys
+        [3, 2, 1, 0]
+        >>> ring_hops(ring_schedule(4))                        # zigzag: every rank needs every slice
+        [3, 3, 3, 3]
+    """
+    world = len(schedule)
+    hops = [0] * world
+    for blocks in schedule:
+        for block in blocks:
+            if block.kind != "skipped":
+                hops[block.source] = max(hops[block.source], block.step)
+    return hops
+
+
+def ring_schedule(
+    world: int,
+    *,
+    layout: str = "zigzag",
+    is_causal: bool = True,
+    length: int | None = None,
+    mask_mod: Callable[..., torch.Tensor] | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    batch: tuple[int, ...] = (),
+) -> list[list[RingBlock]]:
     """Which chunk pairs each rank computes at each step of `ring_attention`, and how.
 
     The sequence is cut into ``world`` (contiguous) or ``2 * world`` (zigzag)
-    equal chunks, numbered in position order. Query chunk ``a`` against key
-    chunk ``b`` is ``"full"`` when ``b < a`` (or without a causal mask),
-    ``"masked"`` when ``b == a`` and ``"skipped"`` when ``b > a``. The forward
-    and the backward pass of `ring_attention` follow this schedule; the
-    ``blocks_*`` counters of `CommStats` count it.
+    equal chunks, numbered in position order (``"zigzag-per-sequence"``: ``2 * world``
+    chunks of every packed sequence, sequence ``i``'s numbered from ``2 * world * i``).
+    Query chunk ``a`` against key chunk ``b`` is ``"full"`` when every query sees every
+    key, ``"skipped"`` when no query sees any key, and ``"masked"`` otherwise (computed with
+    the mask of that pair). With a causal mask alone: ``"full"`` when ``b < a``,
+    ``"masked"`` when ``b == a``, ``"skipped"`` when ``b > a``. The forward and the backward
+    pass of `ring_attention` follow this schedule; the ``blocks_*`` counters of
+    `CommStats` count it, and `ring_hops` reads from it how far each slice travels.
 
     Args:
         world: the number of ranks, >= 1.
-        layout: ``"zigzag"`` or ``"contiguous"``.
+        layout: ``"zigzag"``, ``"contiguous"`` or ``"zigzag-per-sequence"``.
         is_causal: whether a causal mask applies.
+        length: the full length ``N``; needed with ``mask_mod`` or ``cu_seqlens``.
+        mask_mod: a FlexAttention mask mod over global positions, as `ring_attention` takes it.
+        cu_seqlens: packed sequences' offsets, as `ring_attention` takes them.
+        batch: the scores' leading dims ``(..., H)`` the ``mask_mod`` is evaluated on (one
+            batch entry and one head by default; give them when the mod reads ``b`` or ``h``).
 
     Returns:
         One list per rank of its `RingBlock` entries, in the order it meets them.
 
     Raises:
-        ValueError: ``world < 1`` or an unknown layout.
-        TypeError: ``world`` is not an int.
+        ValueError: ``world < 1``, an unknown layout, ``length`` missing where it is needed
+            or not divisible, bad ``cu_seqlens``.
+        TypeError: ``world`` or ``length`` is not an int, ``mask_mod`` not a mask mod.
 
     Examples:
         >>> kinds = [[b.kind for b in blocks] for blocks in ring_schedule(4, layout="contiguous")]
@@ -338,6 +566,10 @@ def ring_schedule(world: int, *, layout: str = "zigzag", is_causal: bool = True)
         [1, 2, 3, 4]
         >>> [sum(b.kind != "skipped" for b in blocks) for blocks in ring_schedule(4)]
         [9, 9, 9, 9]
+        >>> from attention_ref.mods import sliding_window
+        >>> window = ring_schedule(4, layout="contiguous", length=64, mask_mod=sliding_window(15))
+        >>> [sum(b.kind != "skipped" for b in blocks) for blocks in window], ring_hops(window)
+        ([1, 2, 2, 2], [1, 1, 1, 0])
     """
     if isinstance(world, bool) or not isinstance(world, int):
         raise TypeError(f"world must be an int, got {type(world).__name__}")
@@ -345,7 +577,23 @@ def ring_schedule(world: int, *, layout: str = "zigzag", is_causal: bool = True)
         raise ValueError(f"world must be >= 1, got {world}")
     layout = _check_layout(layout)
     _inputs.check_bool("is_causal", is_causal)
-    return [_rank_schedule(rank, world, layout, is_causal) for rank in range(world)]
+    _inputs.check_mods(None, mask_mod)
+    needs_length = mask_mod is not None or cu_seqlens is not None or layout == "zigzag-per-sequence"
+    if length is None:
+        if needs_length:
+            raise ValueError("ring_schedule needs length= (the full sequence length) with mask_mod, cu_seqlens "
+                             "or layout='zigzag-per-sequence': the blocks' positions depend on it")
+        length = _required_multiple(world, layout)  # any multiple: the chunks' indices alone decide
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"length must be an int, got {type(length).__name__}")
+    if length % _required_multiple(world, layout):
+        raise ValueError(f"length must be a multiple of {_required_multiple(world, layout)} with layout={layout!r} "
+                         f"and world={world}, got {length}")
+    cu = _layout_offsets("ring_schedule", layout, cu_seqlens, length, world, None)
+    documents = None if cu_seqlens is None else _documents(cu_seqlens, length, torch.device("cpu"))
+    mask = _Mask(is_causal, documents, mask_mod, tuple(batch), length)
+    pieces = [_pieces(rank, world, length // world, layout, cu) for rank in range(world)]
+    return [_rank_blocks(rank, world, pieces, mask) for rank in range(world)]
 
 
 # --- counting ---------------------------------------------------------------------------------
@@ -364,8 +612,13 @@ class CommStats:
     - backward: ``W - 1`` key/value steps, ``(W - 1) (|K| + |V|) s`` bytes, and
       ``W - 1`` steps of the dK/dV accumulators, ``(W - 1) (|K| + |V|) s_acc`` bytes.
 
-    Each rank receives as much as it sends. A step is one exchange with the
-    neighbours (a send to rank ``r + 1`` and a receive from rank ``r - 1``).
+    That is the whole ring, which every slice travels when every rank needs it (no mask,
+    or the zigzag layout under a causal mask). A slice is passed on only while a rank
+    further along the ring has a block of it to compute (`ring_hops`): with a causal mask
+    on the contiguous layout, a sliding window or packed sequences, fewer sends; the
+    ``*_skipped`` counters count the sends of the whole ring this rank did not make. A
+    send is one message to rank ``r + 1``, except a dK/dV accumulator's last one, which
+    goes from the last rank that needed the slice straight back to its owner.
 
     Attributes:
         forward_steps: key/value exchanges of the forward pass.
@@ -376,7 +629,11 @@ class CommStats:
         backward_grad_bytes: bytes of dK/dV accumulators sent.
         blocks_full: chunk pairs computed without a mask (forward pass).
         blocks_masked: chunk pairs computed with the causal mask (forward pass).
-        blocks_skipped: chunk pairs skipped, entirely in the future (forward pass).
+        blocks_skipped: chunk pairs skipped, no query seeing any key (forward pass).
+        forward_steps_skipped: key/value sends of the whole ring not made in the forward pass
+            (no rank further along needed the slice).
+        backward_kv_steps_skipped: the same in the backward pass.
+        backward_grad_steps_skipped: dK/dV accumulator sends of the whole ring not made.
         forward_all_to_all: all-to-all exchanges of `ulysses_attention`'s forward pass (4: q, k, v
             to head slices, the output back).
         forward_all_to_all_bytes: bytes this rank sent to the other ranks in them: ``(W - 1) / W``
@@ -395,6 +652,9 @@ class CommStats:
     blocks_full: int = 0
     blocks_masked: int = 0
     blocks_skipped: int = 0
+    forward_steps_skipped: int = 0
+    backward_kv_steps_skipped: int = 0
+    backward_grad_steps_skipped: int = 0
     forward_all_to_all: int = 0
     forward_all_to_all_bytes: int = 0
     backward_all_to_all: int = 0
@@ -438,54 +698,20 @@ def count_communication() -> Iterator[CommStats]:
 # --- the ring ---------------------------------------------------------------------------------
 
 
-class _Ring:
-    """Sends to the next rank and receives from the previous one, counting what it sends."""
-
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int) -> None:
-        self.group = group
-        self.next = _global_rank(group, (rank + 1) % world)
-        self.prev = _global_rank(group, (rank - 1) % world)
-
-    def start(self, tensors: tuple[torch.Tensor, ...], tags: tuple[int, ...]) -> tuple[list[Any], tuple[torch.Tensor, ...]]:
-        """Post the sends of ``tensors`` (contiguous, kept unchanged until the requests are waited for)
-        and the receives of the ones the previous rank sends; return (requests, received buffers)."""
-        received = tuple(torch.empty_like(t) for t in tensors)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t, tag in zip(tensors, tags)]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r, tag in zip(received, tags)]
-        return dist.batch_isend_irecv(ops), received
-
-    @staticmethod
-    def wait(requests: list[Any]) -> None:
-        for request in requests:
-            request.wait()
+def _post(group: dist.ProcessGroup | None, sends: list[tuple[torch.Tensor, int, int]],
+          receives: list[tuple[torch.Tensor, int, int]]) -> tuple[list[Any], list[torch.Tensor]]:
+    """Post the sends ``(tensor, group rank, tag)`` (contiguous, kept unchanged until the requests are
+    waited for) and the receives ``(like, group rank, tag)``; return (requests, received buffers)."""
+    received = [torch.empty_like(like) for like, _, _ in receives]
+    ops = [dist.P2POp(dist.isend, t, _global_rank(group, peer), group, tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, r, _global_rank(group, peer), group, tag)
+            for r, (_, peer, tag) in zip(received, receives)]
+    return (dist.batch_isend_irecv(ops) if ops else []), received
 
 
-def _chunk_slices(local_len: int, layout: str) -> list[slice]:
-    """The local slices of a rank's chunks: one, or the two zigzag halves."""
-    per = _chunks_per_rank(layout)
-    chunk = local_len // per
-    return [slice(i * chunk, (i + 1) * chunk) for i in range(per)]
-
-
-def _causal_keep(q_chunk: int, kv_chunk: int, chunk: int, device: torch.device) -> torch.Tensor:
-    """``(chunk, chunk)`` bool, True where the key's global position <= the query's."""
-    q_pos = torch.arange(q_chunk * chunk, (q_chunk + 1) * chunk, device=device)  # global positions
-    kv_pos = torch.arange(kv_chunk * chunk, (kv_chunk + 1) * chunk, device=device)
-    return kv_pos[None, :] <= q_pos[:, None]
-
-
-def _block_keep(block: RingBlock, chunk: int, device: torch.device, documents: torch.Tensor | None
-                ) -> torch.Tensor | None:
-    """``(chunk, chunk)`` bool of a chunk pair, True where the key takes part: the causal mask of a
-    diagonal pair (``"masked"``), and with packed sequences (``documents``: the ``(N,)`` sequence
-    index of every global position) only keys of the query's own sequence. None: every pair."""
-    keep = _causal_keep(block.q_chunk, block.kv_chunk, chunk, device) if block.kind == "masked" else None
-    if documents is None:
-        return keep
-    q_docs = documents[block.q_chunk * chunk:(block.q_chunk + 1) * chunk]  # (chunk,) global positions
-    kv_docs = documents[block.kv_chunk * chunk:(block.kv_chunk + 1) * chunk]
-    same = q_docs[:, None] == kv_docs[None, :]  # (chunk, chunk): no attention across sequences
-    return same if keep is None else keep & same
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
 
 
 def _documents(cu_seqlens: object, total: int, device: torch.device) -> torch.Tensor:
@@ -502,69 +728,99 @@ def _reduce_like(grad: torch.Tensor, like: torch.Tensor, group_size: int) -> tor
     return grad.sum_to_size(like.shape)
 
 
+class _Plan(NamedTuple):
+    """Everything a rank needs to know of the ring before it starts: its blocks, their masks, which
+    chunks every rank holds, and how far each slice travels (`ring_hops`)."""
+
+    blocks: list[RingBlock]  # this rank's, in ring order
+    keeps: dict[tuple[int, int, int], torch.Tensor | None]  # (step, q_chunk, kv_chunk) -> mask of a computed block
+    pieces: list[dict[int, _Piece]]  # per rank: chunk -> where it lies
+    hops: list[int]  # per rank: the steps its slice travels
+    unmasked: bool  # no mask at all: a whole slice in one call
+
+    @staticmethod
+    def make(rank: int, world: int, n: int, layout: str, mask: _Mask, cu: list[int] | None,
+             device: torch.device) -> _Plan:
+        pieces = [_pieces(r, world, n, layout, cu) for r in range(world)]
+        keeps: dict[tuple[int, int, int], torch.Tensor | None] = {}
+        # Every rank's blocks decide how far the slices travel; only this rank's masks are kept.
+        schedule = [_rank_blocks(r, world, pieces, mask, device, keeps if r == rank else None) for r in range(world)]
+        return _Plan(schedule[rank], keeps, [{p.chunk: p for p in ps} for ps in pieces], ring_hops(schedule),
+                     mask.by_index and not mask.is_causal)
+
+    def sends_kv(self, rank: int, world: int, step: int) -> tuple[bool, bool]:
+        """Whether this rank passes its key/value slice on after ``step``, and receives the next one."""
+        held, arriving = (rank - step) % world, (rank - 1 - step) % world
+        return step < self.hops[held], step < self.hops[arriving]
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention of the local slices; see `ring_attention`. Shapes in the legend, ``n = L / world``."""
 
     @staticmethod
     def forward(ctx, query, key, value, is_causal, scale, enable_gqa, group, layout, rank, world,  # type: ignore[override]
-                documents=None):
+                plan):
         compute = torch.promote_types(query.dtype, torch.float32)
-        n = query.shape[-2]
-        slices = _chunk_slices(n, layout)
-        chunk = n // len(slices)
-        schedule = _rank_schedule(rank, world, layout, is_causal)
-        ring = _Ring(group, rank, world)
+        mine = list(plan.pieces[rank].values())  # this rank's chunks, in local order
         q = query.to(compute)  # (..., H, n, E): the local queries stay here
-        out: list[torch.Tensor | None] = [None] * len(slices)  # per local query chunk: (..., H, chunk, Ev)
-        lse: list[torch.Tensor | None] = [None] * len(slices)  # (..., H, chunk)
+        out: list[torch.Tensor | None] = [None] * len(mine)  # per local query chunk: (..., H, chunk, Ev)
+        lse: list[torch.Tensor | None] = [None] * len(mine)  # (..., H, chunk)
+        index = {p.chunk: i for i, p in enumerate(mine)}
         # The key/value slice this rank holds now, in the input dtype (contiguous: sent as it is).
         k_cur, v_cur = key.contiguous(), value.contiguous()
         for step in range(world):
-            if step < world - 1:  # pass the slice on while computing with it
-                requests, (k_next, v_next) = ring.start((k_cur, v_cur), (_TAG_K, _TAG_V))
+            send, receive = plan.sends_kv(rank, world, step)
+            # pass the slice on while computing with it, if a rank further along needs it
+            requests, received = _post(group, [(k_cur, (rank + 1) % world, _TAG_K), (v_cur, (rank + 1) % world, _TAG_V)]
+                                       if send else [], [(key, (rank - 1) % world, _TAG_K),
+                                                         (value, (rank - 1) % world, _TAG_V)] if receive else [])
+            if send:
                 _record(forward_steps=1, forward_bytes=(k_cur.numel() + v_cur.numel()) * k_cur.element_size())
+            elif step < world - 1:
+                _record(forward_steps_skipped=1)
+            blocks = [b for b in plan.blocks if b.step == step]
             k_c, v_c = k_cur.to(compute), v_cur.to(compute)  # (..., Hkv, n, E), (..., Hkv, n, Ev)
-            blocks = [b for b in schedule if b.step == step]
-            if not is_causal and documents is None:  # every pair is full: one call for the whole slice
+            if plan.unmasked:  # every pair is full: one call for the whole slice
                 o, s = scaled_dot_product_attention(q, k_c, v_c, scale=scale, enable_gqa=enable_gqa, return_lse=True)
-                o_parts, s_parts = [o[..., sl, :] for sl in slices], [s[..., sl] for sl in slices]
-                for i in range(len(slices)):
-                    out[i], lse[i] = (o_parts[i], s_parts[i]) if out[i] is None else merge_attention(
-                        out[i], lse[i], o_parts[i], s_parts[i])
+                for i, p in enumerate(mine):
+                    o_i, s_i = o[..., p.rows, :], s[..., p.rows]
+                    out[i], lse[i] = (o_i, s_i) if out[i] is None else merge_attention(out[i], lse[i], o_i, s_i)
                 _record(blocks_full=len(blocks))
-            else:
-                for block in blocks:
-                    _record(**{f"blocks_{block.kind}": 1})
-                    if block.kind == "skipped":
-                        continue
-                    i = _chunk_ids(rank, world, layout).index(block.q_chunk)  # local query chunk
-                    kv_sl = slices[_chunk_ids(block.source, world, layout).index(block.kv_chunk)]
-                    keep = _block_keep(block, chunk, q.device, documents)
-                    # (..., H, chunk, E) against (..., Hkv, chunk, E): the partial result and its lse.
-                    o, s = scaled_dot_product_attention(q[..., slices[i], :], k_c[..., kv_sl, :], v_c[..., kv_sl, :],
-                                                        keep, scale=scale, enable_gqa=enable_gqa, return_lse=True)
-                    out[i], lse[i] = (o, s) if out[i] is None else merge_attention(out[i], lse[i], o, s)
-            if step < world - 1:
-                _Ring.wait(requests)
-                k_cur, v_cur = k_next, v_next
-        output = torch.cat(out, dim=-2)  # type: ignore[arg-type]  # (..., H, n, Ev), compute dtype
-        row_lse = torch.cat(lse, dim=-1)  # type: ignore[arg-type]  # (..., H, n)
+                blocks = []
+            for block in blocks:
+                _record(**{f"blocks_{block.kind}": 1})
+                if block.kind == "skipped":
+                    continue
+                i = index[block.q_chunk]  # the local query chunk
+                kv_rows = plan.pieces[block.source][block.kv_chunk].rows  # where the key chunk lies in the slice
+                keep = plan.keeps[block.step, block.q_chunk, block.kv_chunk]
+                # (..., H, chunk, E) against (..., Hkv, chunk', E): the partial result and its lse.
+                o, s = scaled_dot_product_attention(q[..., mine[i].rows, :], k_c[..., kv_rows, :], v_c[..., kv_rows, :],
+                                                    keep, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+                out[i], lse[i] = (o, s) if out[i] is None else merge_attention(out[i], lse[i], o, s)
+            _wait(requests)
+            if receive:
+                k_cur, v_cur = received
+        batch = _batch_shape(query, key, value, enable_gqa)  # (..., H) of the output
+        for i, p in enumerate(mine):  # a chunk whose queries see no key at all: output 0, lse -inf
+            if out[i] is None:
+                out[i] = q.new_zeros((*batch, p.length, value.shape[-1]))
+                lse[i] = q.new_full((*batch, p.length), float("-inf"))
+        output = torch.cat([*out, q.new_zeros((*batch, 0, value.shape[-1]))], dim=-2)  # type: ignore[list-item]  # (..., H, n, Ev)
+        row_lse = torch.cat([*lse, q.new_zeros((*batch, 0))], dim=-1)  # type: ignore[list-item]  # (..., H, n)
         ctx.save_for_backward(query, key, value, output, row_lse)
-        ctx.options = (is_causal, scale, enable_gqa, group, layout, rank, world, documents)
+        ctx.options = (scale, enable_gqa, group, rank, world, plan)
         return output, row_lse  # sink-free, in the compute dtype: ring_attention adds the sink and casts
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse):  # type: ignore[override]
         query, key, value, output, row_lse = ctx.saved_tensors
-        is_causal, scale, enable_gqa, group, layout, rank, world, documents = ctx.options
+        scale, enable_gqa, group, rank, world, plan = ctx.options
         compute = output.dtype
-        n = query.shape[-2]
-        slices = _chunk_slices(n, layout)
-        chunk = n // len(slices)
+        mine = plan.pieces[rank]
         group_size = _inputs.kv_group(query, key, "key") if enable_gqa else 1
-        schedule = _rank_schedule(rank, world, layout, is_causal)
-        ring = _Ring(group, rank, world)
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
         q = query.to(compute)
         d_o = d_out.to(compute)  # (..., H, n, Ev)
         # D_i = rowsum(dO * O) = sum_j P_ij dP_ij, the term the softmax backward subtracts: (..., H, n);
@@ -574,54 +830,84 @@ class _RingAttention(torch.autograd.Function):
         lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))
         dq = torch.zeros(query.shape, dtype=compute, device=query.device)
         k_cur, v_cur = key.contiguous(), value.contiguous()
-        carried: tuple[torch.Tensor, torch.Tensor] | None = None  # dK/dV of the slice held now, from earlier ranks
+        carried: list[torch.Tensor] | None = None  # dK/dV of the slice held now, from the ranks it visited before
         own: tuple[torch.Tensor, torch.Tensor] | None = None  # this rank's contribution to its own dK/dV
+        returned: list[torch.Tensor] | None = None  # the other ranks' contributions to it, back from the last one
+        grad_sends = 0
         for step in range(world):
-            if step < world - 1:
-                kv_requests, (k_next, v_next) = ring.start((k_cur, v_cur), (_TAG_K, _TAG_V))
+            held = (rank - step) % world  # whose slice this rank holds (if it reached this rank)
+            send, receive = plan.sends_kv(rank, world, step)
+            kv_requests, kv_received = _post(group, [(k_cur, nxt, _TAG_K), (v_cur, nxt, _TAG_V)] if send else [],
+                                             [(key, prev, _TAG_K), (value, prev, _TAG_V)] if receive else [])
+            if send:
                 _record(backward_kv_steps=1, backward_kv_bytes=(k_cur.numel() + v_cur.numel()) * k_cur.element_size())
-            k_c, v_c = k_cur.to(compute), v_cur.to(compute)
-            if enable_gqa:  # (..., Hkv, n, E) -> (..., H, n, E) for the block matmuls
-                k_c, v_c = _inputs.expand_kv_heads(q, k_c, "key"), _inputs.expand_kv_heads(q, v_c, "value")
-            dk = torch.zeros(key.shape, dtype=compute, device=key.device)  # this rank's part of the slice's dK
-            dv = torch.zeros(value.shape, dtype=compute, device=value.device)
-            for block in (b for b in schedule if b.step == step and b.kind != "skipped"):
-                q_sl = slices[_chunk_ids(rank, world, layout).index(block.q_chunk)]
-                kv_sl = slices[_chunk_ids(block.source, world, layout).index(block.kv_chunk)]
-                keep = _block_keep(block, chunk, q.device, documents)
-                q_b, k_b, v_b, do_b = q[..., q_sl, :], k_c[..., kv_sl, :], v_c[..., kv_sl, :], d_o[..., q_sl, :]
-                # FlashAttention-2's backward of one block, with the saved lse of the whole row:
-                # P = exp(S - lse), the block's exact softmax weights: (..., H, chunk, chunk)
-                p = torch.exp(_masked_scores(q_b, k_b, keep, False, scale) - lse[..., q_sl, None])
-                # dV_j += P^T dO_i: (..., H, chunk, chunk) @ (..., H, chunk, Ev) -> (..., H, chunk, Ev)
-                dv[..., kv_sl, :] += _reduce_like(p.transpose(-2, -1) @ do_b, dv[..., kv_sl, :], group_size)
-                # dP = dO_i V_j^T: (..., H, chunk, Ev) @ (..., H, Ev, chunk) -> (..., H, chunk, chunk)
-                dp = do_b @ v_b.transpose(-2, -1)
-                # dS = P * (dP - D_i): the softmax backward
-                ds = p * (dp - delta[..., q_sl, None])
-                # dQ_i += scale dS K_j: (..., H, chunk, chunk) @ (..., H, chunk, E) -> (..., H, chunk, E)
-                dq[..., q_sl, :] += (scale * ds @ k_b).sum_to_size(dq[..., q_sl, :].shape)
-                # dK_j += scale dS^T Q_i: (..., H, chunk, chunk) @ (..., H, chunk, E) -> (..., H, chunk, E)
-                dk[..., kv_sl, :] += _reduce_like(scale * ds.transpose(-2, -1) @ q_b, dk[..., kv_sl, :], group_size)
-            if step == 0:
-                own = (dk, dv)  # kept here: the accumulator of this slice starts at the next rank
-            else:
-                # Add the contributions of the ranks this slice visited before, pass it on, and receive the
-                # accumulator of the slice that arrives next (after the last step: this rank's own).
-                if carried is not None:
-                    dk, dv = dk + carried[0], dv + carried[1]
-                grad_requests, received = ring.start((dk, dv), (_TAG_DK, _TAG_DV))
-                _record(backward_grad_steps=1, backward_grad_bytes=(dk.numel() + dv.numel()) * dk.element_size())
-                _Ring.wait(grad_requests)
-                carried = received  # type: ignore[assignment]
-            if step < world - 1:
-                _Ring.wait(kv_requests)
-                k_cur, v_cur = k_next, v_next
+            elif step < world - 1:
+                _record(backward_kv_steps_skipped=1)
+            grad_out: list[tuple[torch.Tensor, int, int]] = []
+            if step <= plan.hops[held]:
+                dk, dv = _RingAttention._block_grads(plan, step, q, k_cur.to(compute), v_cur.to(compute), d_o, delta,
+                                                     lse, scale, enable_gqa, group_size, mine, dq, key, value)
+                if step == 0:
+                    own = (dk, dv)  # kept here: the accumulator of this slice starts at the next rank
+                else:
+                    if carried is not None:  # add the contributions of the ranks this slice visited before
+                        dk, dv = dk + carried[0], dv + carried[1]
+                    # pass it on with the slice, or, from the last rank that needs the slice, back to its owner
+                    last = step == plan.hops[held]
+                    peer, tags = (held, (_TAG_RET_DK, _TAG_RET_DV)) if last else (nxt, (_TAG_DK, _TAG_DV))
+                    grad_out = [(dk, peer, tags[0]), (dv, peer, tags[1])]
+                    grad_sends += 1
+                    _record(backward_grad_steps=1, backward_grad_bytes=(dk.numel() + dv.numel()) * dk.element_size())
+            # the accumulators: of the slice arriving next (from the previous rank), and after the last
+            # step that needs this rank's own slice, its own (from the rank that last held it)
+            dk_like, dv_like = own  # type: ignore[misc]  # set at step 0: the shapes and the compute dtype
+            arriving = 1 <= step < plan.hops[(rank - 1 - step) % world]
+            home = step == plan.hops[rank] >= 1
+            grad_in = [(dk_like, prev, _TAG_DK), (dv_like, prev, _TAG_DV)] if arriving else []
+            grad_in += [(dk_like, (rank + step) % world, _TAG_RET_DK),
+                        (dv_like, (rank + step) % world, _TAG_RET_DV)] if home else []
+            grad_requests, grad_received = _post(group, grad_out, grad_in)
+            _wait(grad_requests)
+            carried = grad_received[:2] if arriving else None
+            if home:
+                returned = grad_received[-2:]
+            _wait(kv_requests)
+            if receive:
+                k_cur, v_cur = kv_received
+        _record(backward_grad_steps_skipped=world - 1 - grad_sends)
         dk_total, dv_total = own  # type: ignore[misc]
-        if carried is not None:  # what the other W - 1 ranks added to this rank's slice
-            dk_total, dv_total = dk_total + carried[0], dv_total + carried[1]
+        if returned is not None:  # what the other ranks added to this rank's slice
+            dk_total, dv_total = dk_total + returned[0], dv_total + returned[1]
         return (dq.to(query.dtype), dk_total.to(key.dtype), dv_total.to(value.dtype),
                 None, None, None, None, None, None, None, None)
+
+    @staticmethod
+    def _block_grads(plan, step, q, k_c, v_c, d_o, delta, lse, scale, enable_gqa, group_size, mine, dq, key, value):
+        """This rank's contributions, at ``step``, to dQ (added in place) and to the held slice's dK/dV
+        (returned, ``(..., Hkv, n, E)`` and ``(..., Hkv, n, Ev)``, compute dtype)."""
+        if enable_gqa:  # (..., Hkv, n, E) -> (..., H, n, E) for the block matmuls
+            k_c, v_c = _inputs.expand_kv_heads(q, k_c, "key"), _inputs.expand_kv_heads(q, v_c, "value")
+        dk = torch.zeros(key.shape, dtype=q.dtype, device=key.device)  # this rank's part of the slice's dK
+        dv = torch.zeros(value.shape, dtype=q.dtype, device=value.device)
+        for block in (b for b in plan.blocks if b.step == step and b.kind != "skipped"):
+            q_rows = mine[block.q_chunk].rows
+            kv_rows = plan.pieces[block.source][block.kv_chunk].rows
+            keep = plan.keeps[block.step, block.q_chunk, block.kv_chunk]
+            q_b, k_b, v_b, do_b = q[..., q_rows, :], k_c[..., kv_rows, :], v_c[..., kv_rows, :], d_o[..., q_rows, :]
+            # FlashAttention-2's backward of one block, with the saved lse of the whole row:
+            # P = exp(S - lse), the block's exact softmax weights: (..., H, chunk, chunk')
+            p = torch.exp(_masked_scores(q_b, k_b, keep, False, scale) - lse[..., q_rows, None])
+            # dV_j += P^T dO_i: (..., H, chunk', chunk) @ (..., H, chunk, Ev) -> (..., H, chunk', Ev)
+            dv[..., kv_rows, :] += _reduce_like(p.transpose(-2, -1) @ do_b, dv[..., kv_rows, :], group_size)
+            # dP = dO_i V_j^T: (..., H, chunk, Ev) @ (..., H, Ev, chunk') -> (..., H, chunk, chunk')
+            dp = do_b @ v_b.transpose(-2, -1)
+            # dS = P * (dP - D_i): the softmax backward
+            ds = p * (dp - delta[..., q_rows, None])
+            # dQ_i += scale dS K_j: (..., H, chunk, chunk') @ (..., H, chunk', E) -> (..., H, chunk, E)
+            dq[..., q_rows, :] += (scale * ds @ k_b).sum_to_size(dq[..., q_rows, :].shape)
+            # dK_j += scale dS^T Q_i: (..., H, chunk', chunk) @ (..., H, chunk, E) -> (..., H, chunk', E)
+            dk[..., kv_rows, :] += _reduce_like(scale * ds.transpose(-2, -1) @ q_b, dk[..., kv_rows, :], group_size)
+        return dk, dv
 
 
 def ring_attention(
@@ -636,6 +922,7 @@ def ring_attention(
     layout: str = "zigzag",
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    mask_mod: _mods.MaskMod | None = None,
 ) -> torch.Tensor:
     r"""Attention of this rank's query slice over the whole sequence, its keys and values spread over the ranks.
 
@@ -652,7 +939,10 @@ def ring_attention(
     causal mask built from the global positions), and merges the partial result
     into its running one with `attention_ref.functional.merge_attention`. While
     it computes, the slice is already on its way to rank ``r + 1`` and the next
-    one arriving from rank ``r - 1``. The partial results are sink-free; with
+    one arriving from rank ``r - 1``. A slice is passed on only while a rank further
+    along needs it (`ring_hops`): under a sliding window (``mask_mod``) on the contiguous
+    layout, key blocks no query of a rank sees are neither sent to it nor computed
+    (`CommStats`' ``*_skipped`` counters). The partial results are sink-free; with
     ``sinks``, each query's sink is added once, to the merged result over all
     keys, by `attention_ref.add_sinks` (a sink in each partial result would be
     counted once per step).
@@ -664,8 +954,9 @@ def ring_attention(
     sink-free result (``dlse = 0`` without sinks; with them both come from
     `attention_ref.add_sinks`' closed-form backward). The key/value slices
     travel the ring again; each slice's dK/dV accumulator starts at the next
-    rank, follows the slice and reaches its owner in one more hop (`CommStats`
-    gives the counts).
+    rank, follows the slice, and goes back to its owner from the last rank that
+    needed the slice: one more hop when the slice travelled the whole ring, a
+    direct message otherwise (`CommStats` gives the counts).
 
     Everything is computed in at least float32 (float32 for float16/bfloat16
     inputs); the output and the gradients are returned in the input dtype.
@@ -697,7 +988,13 @@ def ring_attention(
             whole length (as `attention_ref.varlen.varlen_attention` takes them, from 0 to
             ``n * world``; Megatron's THD batches): no query attends across a boundary, and
             ``is_causal`` applies within each sequence. Sharded like any packed batch, with
-            either layout; every rank passes the same offsets. None: one sequence.
+            any layout (``"zigzag-per-sequence"``, Megatron's, needs them); every rank passes
+            the same offsets. None: one sequence.
+        mask_mod: a mask over *global* positions in FlexAttention's signature
+            ``(b, h, q_idx, kv_idx) -> bool`` (True = takes part; `attention_ref.mods`:
+            ``sliding_window``, ``chunked``, ``prefix_lm``, ...), the same function on every
+            rank, combined with ``is_causal`` and ``cu_seqlens`` (all must hold). ``b`` indexes
+            the leading dims before the heads, flattened; ``h`` the query head.
 
     Returns:
         ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
@@ -707,8 +1004,11 @@ def ring_attention(
         ValueError: shapes that do not fit, query and key slices of different
             lengths, an odd local length with ``"zigzag"`` (the full length must be a
             multiple of ``2 * world``), a bad scale or layout; ``sinks`` not of
-            shape ``(H,)``, on another device, NaN or ``+inf``.
-        TypeError: non-float inputs or inputs of different dtypes, ``sinks`` not a float tensor.
+            shape ``(H,)``, on another device, NaN or ``+inf``; bad ``cu_seqlens``, or
+            none (or a sequence not a multiple of ``2 * world`` long) with
+            ``"zigzag-per-sequence"``; a ``mask_mod`` result that does not fit the scores.
+        TypeError: non-float inputs or inputs of different dtypes, ``sinks`` not a float tensor,
+            ``mask_mod`` not a mask mod or not returning bool.
 
     Examples:
         >>> import os, tempfile, torch, torch.distributed as dist
@@ -739,10 +1039,14 @@ def ring_attention(
     if sinks is not None:
         batch = _batch_shape(query, key, value, enable_gqa)
         check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))  # this rank's queries
-    # (..., H, n, Ev) and (..., H, n): the sink-free result over every key of the ring, compute dtype
+    _inputs.check_mods(None, mask_mod)
+    cu = _layout_offsets("ring_attention", layout, cu_seqlens, n * world, world, query.device)
     documents = None if cu_seqlens is None else _documents(cu_seqlens, n * world, query.device)  # (n * world,)
+    mask = _Mask(is_causal, documents, mask_mod, _batch_shape(query, key, value, enable_gqa), n * world)
+    plan = _Plan.make(rank, world, n, layout, mask, cu, query.device)
+    # (..., H, n, Ev) and (..., H, n): the sink-free result over every key of the ring, compute dtype
     output, lse = _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world,
-                                       documents)
+                                       plan)
     if sinks is not None:
         output, _ = add_sinks(output, lse, sinks)  # once per query, after the last merge
     return output.to(query.dtype)
@@ -1060,24 +1364,37 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
 
 
 def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is_causal: bool = True,
-                strategy: str = "ring") -> dict[str, Any]:
-    """Ring (or Ulysses) attention on ``world`` ranks, forward and backward, checked against one process.
+                strategy: str = "ring", window: int | None = None) -> dict[str, Any]:
+    """Ring, Ulysses or USP attention on ``world`` ranks, forward and backward, checked against one process.
 
     Every rank draws the same full float64 tensors from ``seed`` (``B=1``,
     ``H=4`` query heads, ``Hkv=2`` key/value heads, ``L = 12 * world``
     positions, ``E=Ev=8``), takes its part with `shard`, runs `ring_attention`
-    and its backward pass (incoming gradient ``dO`` drawn from the seed too),
-    gathers the output and the gradients with `unshard`, and compares them with
+    (or `ulysses_attention`, `usp_attention`) and its backward pass (incoming
+    gradient ``dO`` drawn from the seed too), gathers the output and the
+    gradients with `unshard`, and compares them with
     `attention_ref.functional.scaled_dot_product_attention` on the full tensors.
     Run it with `spawn`.
+
+    USP runs on a grid of ``U x R`` ranks, ``U = 2`` when ``world`` is even (else
+    1) and ``R = world / U``: each row, ``U`` consecutive ranks, is a Ulysses group,
+    each column (the ranks at one place in every row) a ring. Every rank creates
+    every group with ``torch.distributed.new_group``, in the same order (the rows,
+    then the columns). A tensor is cut across the column first (`shard` with
+    ``layout``), then within the row (``"contiguous"``), as `usp_attention` takes it.
 
     Args:
         rank: this process's rank (given by `spawn`).
         world: the number of ranks (given by `spawn`).
         seed: the seed of the inputs.
-        layout: ``"zigzag"`` or ``"contiguous"`` (Ulysses: ``"contiguous"`` only).
+        layout: ``"zigzag"`` or ``"contiguous"`` (Ulysses: ``"contiguous"`` only; USP:
+            the ring's layout).
         is_causal: causal attention.
-        strategy: ``"ring"`` (`ring_attention`) or ``"ulysses"`` (`ulysses_attention`).
+        strategy: ``"ring"`` (`ring_attention`), ``"ulysses"`` (`ulysses_attention`) or
+            ``"usp"`` (`usp_attention` on the grid above).
+        window: with the ring, a sliding window of that many earlier keys (and the
+            query's own), ``mask_mod=attention_ref.mods.sliding_window(window)``; the
+            ring's plan then skips the slices no rank further along needs.
 
     Returns:
         A dict: ``"inputs"`` (the full ``q, k, v``), ``"output"`` (the gathered
@@ -1086,6 +1403,10 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         ``"stats"`` (this rank's `CommStats` as a dict) and ``"positions"`` (the
         global positions this rank held).
 
+    Raises:
+        ValueError: an unknown ``strategy``, ``"ulysses"`` with a layout other than
+            ``"contiguous"``, or a ``window`` with another strategy than the ring.
+
     Examples:
         >>> import os, tempfile, torch.distributed as dist
         >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
@@ -1093,12 +1414,18 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         >>> result = demo_worker(0, 1, 3, "contiguous")     # what one of spawn's processes runs
         >>> result["output"].shape, result["max_error"] < 1e-12
         (torch.Size([1, 4, 12, 8]), True)
+        >>> demo_worker(0, 1, 3, strategy="usp")["max_error"] < 1e-12   # a 1 x 1 grid
+        True
         >>> dist.destroy_process_group()
     """
-    if strategy not in ("ring", "ulysses"):
-        raise ValueError(f"strategy must be 'ring' or 'ulysses', got {strategy!r}")
+    if strategy not in ("ring", "ulysses", "usp"):
+        raise ValueError(f"strategy must be 'ring', 'ulysses' or 'usp', got {strategy!r}")
     if strategy == "ulysses" and layout != "contiguous":
         raise ValueError(f"Ulysses takes contiguous slices: layout must be 'contiguous', got {layout!r}")
+    if window is not None and strategy != "ring":
+        raise ValueError(f"window= runs with strategy='ring' only (a mask_mod over global positions), "
+                         f"got strategy={strategy!r}")
+    mask_mod = None if window is None else _mods.sliding_window(window)
     gen = torch.Generator().manual_seed(seed)
     B, H, Hkv, E = 1, 4, 2, 8
     L = 12 * world
@@ -1107,19 +1434,44 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     q, k, v, d_out = draw(B, H, L, E), draw(B, Hkv, L, E), draw(B, Hkv, L, E), draw(B, H, L, E)
-    # this rank's parts: (B, H | Hkv, L / world, E)
-    local = [shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
-    attend = functools.partial(ring_attention, layout=layout)
+    if strategy == "usp":
+        # U x R ranks: rows of U = 2 (an even world) or 1, columns of R = world / U
+        U = 2 if world % 2 == 0 else 1
+        # every rank creates every group, in one order: the rows, then the columns
+        rows = [dist.new_group(list(range(i, i + U))) for i in range(0, world, U)]
+        columns = [dist.new_group(list(range(j, world, U))) for j in range(U)]
+        row, column = rows[rank // U], columns[rank % U]
+    # how a full tensor is cut: by each (group, layout) in turn
+    cuts: list[tuple[dist.ProcessGroup | None, str]] = [(None, layout)]
+    attend: Callable[..., torch.Tensor]
+    attend = functools.partial(ring_attention, layout=layout, mask_mod=mask_mod)
     if strategy == "ulysses":
         attend = ulysses_attention
+    if strategy == "usp":
+        # across the ring (the column), then within the row
+        cuts = [(column, layout), (row, "contiguous")]
+        attend = functools.partial(usp_attention, ulysses_group=row,
+                                   ring_group=column, layout=layout)
+
+    def part(t: torch.Tensor) -> torch.Tensor:
+        for group, how in cuts:
+            t = shard(t, group=group, layout=how)
+        return t
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        for group, how in reversed(cuts):
+            t = unshard(t, group=group, layout=how)
+        return t
+
+    # this rank's parts: (B, H | Hkv, L / world, E)
+    local = [part(t).requires_grad_() for t in (q, k, v)]
     with count_communication() as stats:
         out = attend(*local, is_causal=is_causal, enable_gqa=True)
-        out.backward(shard(d_out, layout=layout))  # this rank's part of dO
+        out.backward(part(d_out))  # this rank's part of dO
     # the full output and gradients, on every rank
-    gathered = [unshard(t.detach(), layout=layout)
-                for t in (out, *(x.grad for x in local))]
+    gathered = [whole(t.detach()) for t in (out, *(x.grad for x in local))]
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = scaled_dot_product_attention(*full, is_causal=is_causal, enable_gqa=True)
+    expected = scaled_dot_product_attention(*full, is_causal=is_causal, enable_gqa=True, mask_mod=mask_mod)
     expected_grads = torch.autograd.grad(expected, full, d_out)
     error = max((a - b).abs().max().item() for a, b in zip(gathered, (expected, *expected_grads)))
     return {
@@ -1128,5 +1480,5 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         "grads": tuple(gathered[1:]),
         "max_error": error,
         "stats": dataclasses.asdict(stats),
-        "positions": _positions(rank, world, L // world, layout).tolist(),
+        "positions": part(torch.arange(L)[:, None]).flatten().tolist(),
     }

@@ -868,9 +868,22 @@ def index_grids(
 
 
 def apply_mask_mod(
-    mask_mod: MaskMod, batch: Sequence[int], L: int, S: int, device: torch.device | str | None = None
+    mask_mod: MaskMod,
+    batch: Sequence[int],
+    L: int,
+    S: int,
+    device: torch.device | str | None = None,
+    *,
+    q_start: int = 0,
+    kv_start: int = 0,
+    sizes: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Evaluate ``mask_mod`` on the index grids of ``(*batch, L, S)`` scores and check what it returns.
+
+    ``q_start``, ``kv_start`` and ``sizes`` evaluate a block of larger scores: queries
+    ``q_start .. q_start + L - 1`` against keys ``kv_start .. kv_start + S - 1`` of scores
+    whose full query and key lengths are ``sizes`` (what `validate_sizes` checks; default
+    ``(L, S)``), as `attention_ref.distributed.ring_attention` evaluates each rank's blocks.
 
     Returns:
         A bool tensor broadcastable to ``(*batch, L, S)`` (not expanded).
@@ -885,8 +898,8 @@ def apply_mask_mod(
         [[1, 0], [1, 1]]
     """
     check_mod("mask_mod", mask_mod, "mask")
-    B, H, b, h, q_idx, kv_idx = index_grids(batch, L, S, device)
-    validate_sizes(mask_mod, B, H, L, S)
+    B, H, b, h, q_idx, kv_idx = index_grids(batch, L, S, device, q_start=q_start, kv_start=kv_start)
+    validate_sizes(mask_mod, B, H, *((L, S) if sizes is None else sizes))
     keep = _call_on_grids("mask_mod", mask_mod, b, h, q_idx, kv_idx)
     target = (*tuple(batch), L, S)
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:

@@ -240,21 +240,40 @@ def test_bfloat16_is_computed_in_float32(runs, world):
         assert max(mine["bfloat16"]["errors"]) < 5e-2
 
 
+def _expected_sends(world, rank, layout, causal):
+    """(key/value sends, dK/dV sends) of one rank, from the layouts' geometry.
+
+    Every rank needs every slice (W - 1 sends of each) unless the layout is contiguous and the
+    mask causal: then slice x is needed by ranks x .. W - 1 only, so rank r passes on the slices
+    r, r - 1, .., 0 it holds at steps 0 .. r (the last rank passes on none), and sends one
+    accumulator for each slice it received (r of them; rank W - 1's go straight home)."""
+    if layout == "contiguous" and causal:
+        return (rank + 1 if rank < world - 1 else 0), rank
+    return world - 1, world - 1
+
+
 @pytest.mark.parametrize("case", CASES + ["float32", "bfloat16"], ids=lambda c: c if isinstance(c, str) else _case_id(c))
 @pytest.mark.parametrize("world", WORLDS)
 def test_communication_matches_the_formulas(runs, world, case):
-    """Forward: W - 1 steps of K and V; backward: W - 1 of K and V, W - 1 of dK and dV (compute dtype)."""
-    for mine in runs[world].values():
+    """Forward: W - 1 sends of K and V; backward: W - 1 of K and V, W - 1 of dK and dV (compute dtype),
+    fewer where no rank further along needs a slice; the busiest rank's bytes are the formula's."""
+    busiest = 0
+    for rank, mine in runs[world].items():
         run = mine[case]
         s = torch.empty(0, dtype=run["dtype"]).element_size()
         s_acc = torch.empty(0, dtype=torch.promote_types(run["dtype"], torch.float32)).element_size()
         stats = run["stats"]
         kv = run["numel_kv"]
-        assert (stats.forward_steps, stats.forward_bytes) == (world - 1, (world - 1) * kv * s)
-        hkv = 2 if case in ("float32", "bfloat16") or case[2] else H  # the cases' key/value heads
-        assert stats.forward_bytes == ring_attention_bytes(B, H, hkv, N, E, EV, world, bytes_per_element=s)
-        assert (stats.backward_kv_steps, stats.backward_kv_bytes) == (world - 1, (world - 1) * kv * s)
-        assert (stats.backward_grad_steps, stats.backward_grad_bytes) == (world - 1, (world - 1) * kv * s_acc)
+        layout, causal = ("zigzag", True) if isinstance(case, str) else case[:2]
+        kv_sends, grad_sends = _expected_sends(world, rank, layout, causal)
+        assert (stats.forward_steps, stats.forward_bytes) == (kv_sends, kv_sends * kv * s)
+        assert (stats.backward_kv_steps, stats.backward_kv_bytes) == (kv_sends, kv_sends * kv * s)
+        assert (stats.backward_grad_steps, stats.backward_grad_bytes) == (grad_sends, grad_sends * kv * s_acc)
+        skipped = (stats.forward_steps_skipped, stats.backward_kv_steps_skipped, stats.backward_grad_steps_skipped)
+        assert skipped == (world - 1 - kv_sends, world - 1 - kv_sends, world - 1 - grad_sends)
+        busiest = max(busiest, stats.forward_bytes)
+    hkv = 2 if case in ("float32", "bfloat16") or case[2] else H  # the cases' key/value heads
+    assert busiest == ring_attention_bytes(B, H, hkv, N, E, EV, world, bytes_per_element=s)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -374,7 +393,7 @@ def test_schedule_checks_its_arguments():
         ring_schedule(0)
     with pytest.raises(TypeError, match=r"world must be an int, got float"):
         ring_schedule(2.0)
-    with pytest.raises(ValueError, match=r"layout must be one of \('zigzag', 'contiguous'\), got 'ring'"):
+    with pytest.raises(ValueError, match=r"layout must be one of \('zigzag', 'contiguous', 'zigzag-per-sequence'\), got 'ring'"):
         ring_schedule(2, layout="ring")
 
 

@@ -99,7 +99,9 @@ def test_packed_sequences_equal_varlen_and_dense_attention(runs, world, case):
         assert max(run["errors"]) < 1e-10, f"rank {rank}: errors of out, dq, dk, dv {run['errors']}"
         assert run["varlen_error"] < 1e-10, run["varlen_error"]
         assert run["packing_matters"] > 1e-2  # attention across the boundaries would differ
-        assert (run["sent"] > 0) == (world > 1)
+        # the last rank of a causal contiguous ring holds the last keys, which no other rank's queries see
+        silent = case == ("ring contiguous", True) and rank == world - 1
+        assert (run["sent"] > 0) == (world > 1 and not silent)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -181,7 +181,7 @@ def test_the_formulas_name_what_does_not_divide():
 def test_the_demo_worker_names_a_strategy_it_does_not_know():
     from attention_ref.distributed import demo_worker
 
-    with pytest.raises(ValueError, match="strategy must be 'ring' or 'ulysses', got 'tree'"):
+    with pytest.raises(ValueError, match="strategy must be 'ring', 'ulysses' or 'usp', got 'tree'"):
         demo_worker(0, 1, strategy="tree")
     with pytest.raises(ValueError, match="Ulysses takes contiguous slices: layout must be 'contiguous', got 'zigzag'"):
         demo_worker(0, 1, strategy="ulysses")
