@@ -1237,7 +1237,9 @@ def usp_attention(
         is_causal: causal attention over the global positions.
         scale: multiplies the scores; defaults to ``1 / sqrt(E)``.
         enable_gqa: grouped-query attention.
-        layout: the ring's layout of the blocks, ``"contiguous"`` or ``"zigzag"``.
+        layout: the ring's layout of the blocks, ``"contiguous"``, ``"zigzag"`` or
+            ``"zigzag-per-sequence"`` (with ``cu_seqlens``; each sequence a multiple of ``2 R``
+            long, and `shard` across the column given the same ``cu_seqlens``).
         sinks: ``(H,)`` per-head sinks, the same on every rank; the gradient is this rank's share.
         cu_seqlens: packed sequences along the whole length, as in `ring_attention`.
 

@@ -23,6 +23,7 @@ GRIDS = {"2x2": ([[0, 1], [2, 3]], [[0, 2], [1, 3]]),  # rows (Ulysses groups), 
          "1x4": ([[0], [1], [2], [3]], [[0, 1, 2, 3]])}
 H, HKV, E, EV, N = 8, 4, 5, 7, 32
 CU = [0, 7, 7, 20, 32]
+CU_PER_SEQUENCE = [0, 8, 8, 24, 32]
 CASES = [(layout, causal) for layout in ("contiguous", "zigzag") for causal in (True, False)]
 
 
@@ -37,12 +38,14 @@ def _groups():
     return mine
 
 
-def _shard(t, row, column, layout):
-    return shard(shard(t, group=column, layout=layout), group=row, layout="contiguous")
+def _shard(t, row, column, layout, cu=None):
+    per_sequence = {"cu_seqlens": cu} if layout == "zigzag-per-sequence" else {}
+    return shard(shard(t, group=column, layout=layout, **per_sequence), group=row, layout="contiguous")
 
 
-def _unshard(t, row, column, layout):
-    return unshard(unshard(t, group=row, layout="contiguous"), group=column, layout=layout)
+def _unshard(t, row, column, layout, cu=None):
+    per_sequence = {"cu_seqlens": cu} if layout == "zigzag-per-sequence" else {}
+    return unshard(unshard(t, group=row, layout="contiguous"), group=column, layout=layout, **per_sequence)
 
 
 def _case(row, column, layout, causal, sinks=False, packed=False, seed=0, hkv=HKV):
@@ -50,17 +53,18 @@ def _case(row, column, layout, causal, sinks=False, packed=False, seed=0, hkv=HK
     q, k, v, d_out = (torch.randn(1, h, N, e, generator=gen, dtype=torch.float64)
                       for h, e in ((H, E), (hkv, E), (hkv, EV), (H, EV)))
     s = torch.randn(H, generator=gen, dtype=torch.float64) if sinks else None
-    cu = torch.tensor(CU) if packed else None
-    local = [_shard(t, row, column, layout).requires_grad_() for t in (q, k, v)]
+    offsets = CU_PER_SEQUENCE if layout == "zigzag-per-sequence" else CU
+    cu = torch.tensor(offsets) if packed else None
+    local = [_shard(t, row, column, layout, cu).requires_grad_() for t in (q, k, v)]
     mine = None if s is None else s.clone().requires_grad_()
     with count_communication() as stats:
         out = usp_attention(*local, ulysses_group=row, ring_group=column, is_causal=causal, enable_gqa=True,
                             layout=layout, sinks=mine, cu_seqlens=cu)
-        out.backward(_shard(d_out, row, column, layout))
-    gathered = [_unshard(t.detach(), row, column, layout) for t in (out, *(x.grad for x in local))]
+        out.backward(_shard(d_out, row, column, layout, cu))
+    gathered = [_unshard(t.detach(), row, column, layout, cu) for t in (out, *(x.grad for x in local))]
     keep = None
     if packed:
-        docs = torch.repeat_interleave(torch.arange(len(CU) - 1), torch.tensor(CU).diff())
+        docs = torch.repeat_interleave(torch.arange(len(offsets) - 1), torch.tensor(offsets).diff())
         keep = docs[:, None] == docs[None, :]
     full = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if s is None else [s.clone().requires_grad_()])
     dense = scaled_dot_product_attention(*full[:3], keep, is_causal=causal, enable_gqa=True,
@@ -80,6 +84,8 @@ def _worker(rank, world_size):
         mine = {case: _case(row, column, *case) for case in CASES}
         mine["sinks"] = _case(row, column, "zigzag", True, sinks=True, seed=1)
         mine["packed"] = _case(row, column, "contiguous", True, packed=True, seed=2)
+        # Megatron's layout across the ring: every sequence a multiple of 2 R = 8 (R <= 4)
+        mine["per sequence"] = _case(row, column, "zigzag-per-sequence", True, packed=True, seed=4)
         # 2 key/value heads: fewer than the 4 ranks of a 4 x 1 row, each repeated twice
         mine["repeated"] = _case(row, column, "zigzag", True, seed=3, hkv=2)
         results[name] = mine
@@ -94,7 +100,7 @@ def runs():
     return spawn(_worker, 4, timeout=240)
 
 
-@pytest.mark.parametrize("case", CASES + ["packed", "repeated"], ids=str)
+@pytest.mark.parametrize("case", CASES + ["packed", "per sequence", "repeated"], ids=str)
 @pytest.mark.parametrize("grid", GRIDS)
 def test_usp_equals_one_process(runs, grid, case):
     for rank, results in enumerate(runs):
