@@ -35,9 +35,8 @@ from attention_ref.distributed import (
     spawn,
     unshard,
 )
+from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
 
-WORLDS = (1, 2, 3, 4)
-GROUP_RANKS = {1: [3], 2: [1, 3], 3: [0, 2, 3]}  # global ranks of each group; 4: the default group
 B, H, E, EV, N = 2, 6, 5, 7, 24  # N: divisible by 2 * world for every world
 LAYOUTS = ("zigzag", "contiguous")
 CASES = [(layout, causal, gqa) for layout in LAYOUTS for causal in (True, False) for gqa in (False, True)]
@@ -171,28 +170,21 @@ def _errors_case(group, world):
     return messages
 
 
+def _cases(group, world):
+    """Every case, in the same order on every rank of the group."""
+    mine = {case: _ring_case(group, world, *case) for case in CASES}
+    mine["float32"] = _ring_case(group, world, "zigzag", True, True, torch.float32, seed=1)
+    mine["bfloat16"] = _ring_case(group, world, "zigzag", True, True, torch.bfloat16, seed=1)
+    for case in SINK_CASES:
+        mine[("sinks", *case)] = _sinks_case(group, world, *case)
+    mine["sinks per query"] = _per_query_sinks_case(group, world)
+    mine["layouts"] = _layouts_case(group, world, dist.get_rank(group))
+    mine["messages"] = _errors_case(group, world)
+    return mine
+
+
 def _cases_worker(rank, world_size):
-    """Every case, in process groups of 1, 2, 3 and 4 ranks, in the same order on every rank."""
-    groups = {size: dist.new_group(ranks) for size, ranks in GROUP_RANKS.items()}  # every rank creates every group
-    groups[world_size] = None  # the default group
-    results = {}
-    for world in WORLDS:
-        group = groups[world]
-        if group is not None and rank not in GROUP_RANKS[world]:
-            continue
-        group_rank = dist.get_rank(group)
-        mine = {"group_rank": group_rank}
-        for case in CASES:
-            mine[case] = _ring_case(group, world, *case)
-        mine["float32"] = _ring_case(group, world, "zigzag", True, True, torch.float32, seed=1)
-        mine["bfloat16"] = _ring_case(group, world, "zigzag", True, True, torch.bfloat16, seed=1)
-        for case in SINK_CASES:
-            mine[("sinks", *case)] = _sinks_case(group, world, *case)
-        mine["sinks per query"] = _per_query_sinks_case(group, world)
-        mine["layouts"] = _layouts_case(group, world, group_rank)
-        mine["messages"] = _errors_case(group, world)
-        results[world] = mine
-    return results
+    return in_every_group(rank, world_size, _cases)
 
 
 def _failing_worker(rank, world_size):
@@ -207,13 +199,7 @@ def _failing_worker(rank, world_size):
 @pytest.fixture(scope="module")
 def runs():
     """``runs[world]``: the results of the members of the group of ``world`` ranks, by group rank."""
-    per_process = spawn(_cases_worker, 4, timeout=240)
-    by_world = {}
-    for results in per_process:
-        for world, mine in results.items():
-            by_world.setdefault(world, {})[mine["group_rank"]] = mine
-    assert {w: sorted(r) for w, r in by_world.items()} == {w: list(range(w)) for w in WORLDS}
-    return by_world
+    return run_in_every_group(_cases_worker)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

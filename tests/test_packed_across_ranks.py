@@ -2,7 +2,8 @@
 with ``cu_seqlens``, equal to `attention_ref.varlen.varlen_attention` and to dense attention with
 the block-diagonal mask, outputs and gradients in float64.
 
-One `spawn` of 4 CPU processes (gloo) runs every case in process groups of 1, 2, 3 and 4 ranks.
+One `spawn` of 4 CPU processes (gloo) runs every case in process groups of 1, 2, 3 and 4 ranks
+(`tests/ranks.py`).
 N = 24 positions hold four packed sequences of 5, 0, 8 and 11 tokens: boundaries fall inside
 the ranks' slices and chunks, and one sequence is empty.
 """
@@ -11,14 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from attention_ref import scaled_dot_product_attention
-from attention_ref.distributed import count_communication, ring_attention, shard, spawn, ulysses_attention, unshard
+from attention_ref.distributed import count_communication, ring_attention, shard, ulysses_attention, unshard
 from attention_ref.varlen import varlen_attention
+from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
 
-WORLDS = (1, 2, 3, 4)
-GROUP_RANKS = {1: [3], 2: [1, 3], 3: [0, 2, 3]}
 H, E, EV, N = 12, 5, 7, 24
 CU = [0, 5, 5, 13, 24]
 CASES = [(strategy, causal) for strategy in ("ring zigzag", "ring contiguous", "ulysses") for causal in (True, False)]
@@ -60,35 +59,24 @@ def _case(group, strategy, causal, seed=0):
             "sent": stats.forward_bytes + stats.forward_all_to_all_bytes}
 
 
+def _cases(group, world):
+    mine = {case: _case(group, *case) for case in CASES}
+    if world > 1:
+        try:
+            ring_attention(*(torch.zeros(1, 2, N // world, 4, dtype=torch.float64) for _ in range(3)),
+                           group=group, layout="contiguous", cu_seqlens=torch.tensor([0, 5, N - 1]))
+        except ValueError as error:
+            mine["message"] = str(error)
+    return mine
+
+
 def _worker(rank, world_size):
-    groups = {size: dist.new_group(ranks) for size, ranks in GROUP_RANKS.items()}
-    groups[world_size] = None
-    results = {}
-    for world in WORLDS:
-        group = groups[world]
-        if group is not None and rank not in GROUP_RANKS[world]:
-            continue
-        mine = {"group_rank": dist.get_rank(group)}
-        for case in CASES:
-            mine[case] = _case(group, *case)
-        if world > 1:
-            try:
-                ring_attention(*(torch.zeros(1, 2, N // world, 4, dtype=torch.float64) for _ in range(3)),
-                               group=group, layout="contiguous", cu_seqlens=torch.tensor([0, 5, N - 1]))
-            except ValueError as error:
-                mine["message"] = str(error)
-        results[world] = mine
-    return results
+    return in_every_group(rank, world_size, _cases)
 
 
 @pytest.fixture(scope="module")
 def runs():
-    by_world = {}
-    for results in spawn(_worker, 4, timeout=240):
-        for world, mine in results.items():
-            by_world.setdefault(world, {})[mine["group_rank"]] = mine
-    assert {w: sorted(r) for w, r in by_world.items()} == {w: list(range(w)) for w in WORLDS}
-    return by_world
+    return run_in_every_group(_worker)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].replace(' ', '-')}-{'causal' if c[1] else 'full'}")

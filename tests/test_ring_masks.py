@@ -4,7 +4,7 @@ float64 (outputs and gradients), with key/value slices that no rank further alon
 sent nor computed.
 
 One `spawn` of 4 CPU processes (gloo) runs every case in process groups of 1, 2, 3 and 4 ranks
-(the groups of 2 and 3 leave out ranks 0 and 2, so group ranks differ from global ranks). The
+(`tests/ranks.py`). The
 expected numbers of sends and blocks are derived here from the layouts' geometry, not read from
 the schedule the code computes.
 """
@@ -16,7 +16,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from attention_ref import scaled_dot_product_attention
 from attention_ref.distributed import (
@@ -27,14 +26,12 @@ from attention_ref.distributed import (
     ring_schedule,
     shard,
     shard_positions,
-    spawn,
     unshard,
 )
 from attention_ref.mods import sliding_window
 from attention_ref.varlen import varlen_attention
+from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
 
-WORLDS = (1, 2, 3, 4)
-GROUP_RANKS = {1: [3], 2: [1, 3], 3: [0, 2, 3]}  # global ranks of each group; 4: the default group
 B, H, HKV, E, EV, N = 2, 4, 2, 5, 7, 48  # N: a multiple of 2 * world for every world
 WINDOWS = [(layout, left) for layout in ("contiguous", "zigzag") for left in (5, 15)]
 # Packed sequence lengths in units of 2 * world (so each one's chunks are that many positions long),
@@ -88,61 +85,49 @@ def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV
     return result
 
 
-def _message(call):
+def _message(call, *args, **kwargs):
     try:
-        call()
+        call(*args, **kwargs)
     except ValueError as error:
         return str(error)
     return None
 
 
-def _cases_worker(rank, world_size):
-    groups = {size: dist.new_group(ranks) for size, ranks in GROUP_RANKS.items()}  # every rank creates every group
-    groups[world_size] = None
-    results = {}
-    for world in WORLDS:
-        group = groups[world]
-        if group is not None and rank not in GROUP_RANKS[world]:
-            continue
-        mine = {"group_rank": dist.get_rank(group)}
-        for layout, left in WINDOWS:
-            mine["window", layout, left] = _run(group, layout, sliding_window(left))
-        mine["window and causal"] = _run(group, "contiguous", sliding_window(5), is_causal=True)
-        mine["per head"] = _run(group, "zigzag", _per_head)
-        mine["late queries"] = _run(group, "contiguous", _late_queries, hkv=H)
-        cu = [0, *itertools.accumulate(2 * world * n for n in PER_SEQUENCE)]
-        for causal in (True, False):
-            mine["per sequence", causal] = _run(group, "zigzag-per-sequence", None, is_causal=causal, cu=cu,
-                                                length=cu[-1])
-        mine["per sequence window"] = _run(group, "zigzag-per-sequence", sliding_window(3), cu=cu, length=cu[-1])
-        x = torch.arange(float(cu[-1]))[:, None]
-        mine["positions"] = shard(x, 0, group=group, layout="zigzag-per-sequence",
-                                  cu_seqlens=torch.tensor(cu)).flatten().long().tolist()
-        if world > 1:
-            bad = [0, 2 * world + 1, cu[-1]]
-            zeros = torch.zeros(1, 2, cu[-1] // world, 4, dtype=torch.float64)
-            mine["messages"] = {
-                "odd sequence": _message(lambda: ring_attention(zeros, zeros, zeros, group=group,
-                                                                layout="zigzag-per-sequence",
-                                                                cu_seqlens=torch.tensor(bad))),
-                "no offsets": _message(lambda: ring_attention(zeros, zeros, zeros, group=group,
-                                                              layout="zigzag-per-sequence")),
-                "offsets to shard": _message(lambda: shard(x, 0, group=group, layout="zigzag",
-                                                           cu_seqlens=torch.tensor(cu))),
-            }
-        results[world] = mine
-    return results
+def _cases(group, world):
+    mine = {}
+    for layout, left in WINDOWS:
+        mine["window", layout, left] = _run(group, layout, sliding_window(left))
+    mine["window and causal"] = _run(group, "contiguous", sliding_window(5), is_causal=True)
+    mine["per head"] = _run(group, "zigzag", _per_head)
+    mine["late queries"] = _run(group, "contiguous", _late_queries, hkv=H)
+    cu = [0, *itertools.accumulate(2 * world * n for n in PER_SEQUENCE)]
+    for causal in (True, False):
+        mine["per sequence", causal] = _run(group, "zigzag-per-sequence", None, is_causal=causal, cu=cu,
+                                            length=cu[-1])
+    mine["per sequence window"] = _run(group, "zigzag-per-sequence", sliding_window(3), cu=cu, length=cu[-1])
+    x = torch.arange(float(cu[-1]))[:, None]
+    mine["positions"] = shard(x, 0, group=group, layout="zigzag-per-sequence",
+                              cu_seqlens=torch.tensor(cu)).flatten().long().tolist()
+    if world > 1:
+        bad = torch.tensor([0, 2 * world + 1, cu[-1]])
+        zeros = torch.zeros(1, 2, cu[-1] // world, 4, dtype=torch.float64)
+        mine["messages"] = {
+            "odd sequence": _message(ring_attention, zeros, zeros, zeros, group=group,
+                                     layout="zigzag-per-sequence", cu_seqlens=bad),
+            "no offsets": _message(ring_attention, zeros, zeros, zeros, group=group, layout="zigzag-per-sequence"),
+            "offsets to shard": _message(shard, x, 0, group=group, layout="zigzag", cu_seqlens=torch.tensor(cu)),
+        }
+    return mine
+
+
+def _worker(rank, world_size):
+    return in_every_group(rank, world_size, _cases)
 
 
 @pytest.fixture(scope="module")
 def runs():
     """``runs[world][group rank]``: what each member of the group of ``world`` ranks sent back."""
-    by_world = {}
-    for results in spawn(_cases_worker, 4, timeout=300):
-        for world, mine in results.items():
-            by_world.setdefault(world, {})[mine["group_rank"]] = mine
-    assert {w: sorted(r) for w, r in by_world.items()} == {w: list(range(w)) for w in WORLDS}
-    return by_world
+    return run_in_every_group(_worker, timeout=300)
 
 
 CASE_KEYS = ([("window", layout, left) for layout, left in WINDOWS]

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from attention_ref import scaled_dot_product_attention
 from attention_ref.complexity import ulysses_attention_bytes
-from attention_ref.distributed import count_communication, shard, spawn, ulysses_attention, unshard
+from attention_ref.distributed import count_communication, shard, ulysses_attention, unshard
+from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
 
-WORLDS = (1, 2, 3, 4)
-GROUP_RANKS = {1: [3], 2: [1, 3], 3: [0, 2, 3]}  # global ranks of each group; 4: the default group
 B, H, E, EV, N = 2, 12, 5, 7, 24
 # key/value heads per world: cut like the query heads (a multiple of W) or repeated (a divisor of W)
 KV_HEADS = {"mha": {w: H for w in WORLDS}, "gqa cut": {1: 2, 2: 4, 3: 6, 4: 4},
@@ -79,32 +77,21 @@ def _messages(group, world):
     return messages
 
 
+def _cases(group, world):
+    mine = {case: _case(group, world, *case) for case in CASES}
+    mine["sinks"] = _case(group, world, "gqa cut", True, with_sinks=True, seed=2)
+    mine["float32"] = _case(group, world, "gqa cut", True, torch.float32, seed=1)
+    mine["messages"] = _messages(group, world) if world > 1 else {}
+    return mine
+
+
 def _worker(rank, world_size):
-    groups = {size: dist.new_group(ranks) for size, ranks in GROUP_RANKS.items()}
-    groups[world_size] = None
-    results = {}
-    for world in WORLDS:
-        group = groups[world]
-        if group is not None and rank not in GROUP_RANKS[world]:
-            continue
-        mine = {"group_rank": dist.get_rank(group)}
-        for case in CASES:
-            mine[case] = _case(group, world, *case)
-        mine["sinks"] = _case(group, world, "gqa cut", True, with_sinks=True, seed=2)
-        mine["float32"] = _case(group, world, "gqa cut", True, torch.float32, seed=1)
-        mine["messages"] = _messages(group, world) if world > 1 else {}
-        results[world] = mine
-    return results
+    return in_every_group(rank, world_size, _cases)
 
 
 @pytest.fixture(scope="module")
 def runs():
-    by_world = {}
-    for results in spawn(_worker, 4, timeout=240):
-        for world, mine in results.items():
-            by_world.setdefault(world, {})[mine["group_rank"]] = mine
-    assert {w: sorted(r) for w, r in by_world.items()} == {w: list(range(w)) for w in WORLDS}
-    return by_world
+    return run_in_every_group(_worker)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].replace(' ', '-')}-{'causal' if c[1] else 'full'}")
