@@ -565,37 +565,56 @@ def train(model: CharLM, train_ids: torch.Tensor, config: TrainConfig, *,
         if isinstance(module, nn.LayerNorm):
             module.reset_parameters()
     generator = torch.Generator().manual_seed(config.seed)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
     log = TrainLog()
-    began = time.perf_counter()
-    model.train()
-    for step in range(config.steps):
-        for group in opt.param_groups:
-            group["lr"] = config.lr_at(step)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         if make_batch is None:
-            inputs, targets = batches(train_ids, model.config.context, config.batch_size, generator)
-        else:
-            inputs, targets = make_batch(generator)[:2]
-        loss = model.loss(inputs, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-        opt.step()
+            return batches(train_ids, model.config.context, config.batch_size, generator)
+        return make_batch(generator)[:2]
+
+    def after_step(step: int, loss: float) -> None:
         log.steps.append(step)
-        log.train_loss.append(loss.item())
+        log.train_loss.append(loss)
         if progress is not None:
-            progress(step, loss.item())
+            progress(step, loss)
         last = step == config.steps - 1
         if eval_ids is not None and ((step + 1) % config.eval_every == 0 or last):
             log.eval_steps.append(step + 1)
             log.eval_loss.append(evaluate(model, eval_ids))
             model.train()
-    model.eval()
-    log.seconds = time.perf_counter() - began
+
+    log.seconds = optimise(model, config, next_batch, config.steps, after_step)
     return log
+
+
+def optimise(model: nn.Module, config: TrainConfig, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+             steps: int, after_step: Callable[[int, float], None]) -> float:
+    """The loop `train` and `attention_ref.recall.train` share; returns the seconds it took.
+
+    AdamW (betas 0.9, 0.99) with ``config.weight_decay`` on the weight matrices only (biases,
+    norms' gains and other vectors get none), the learning rate of ``config.lr_at(step)``,
+    gradients clipped to norm ``config.clip``; each step trains on ``model.loss(*next_batch())``
+    and then calls ``after_step(step, loss)``. The model is in training mode during the loop
+    and in evaluation mode after it. ``config`` is any object with ``lr``, ``lr_at``,
+    ``weight_decay`` and ``clip`` (`TrainConfig`, `attention_ref.recall.RecallTraining`).
+    """
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
+    began = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = config.lr_at(step)
+        loss = model.loss(*next_batch())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        opt.step()
+        after_step(step, loss.item())
+    model.eval()
+    return time.perf_counter() - began
 
 
 @torch.no_grad()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import io
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from torch.nn import functional as F
 from attention_ref._validation import check_positive_int, fmt_shape
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.linear import gated_delta_rule, linear_attention
-from attention_ref.lm import round_to_half, warmup_cosine  # noqa: F401 - round_to_half: scripts/train_recall.py
+from attention_ref.lm import optimise, round_to_half, warmup_cosine  # noqa: F401 - round_to_half: scripts/train_recall.py
 from attention_ref.mods import sliding_window
 from attention_ref.positional import rope
 
@@ -528,27 +527,16 @@ def train(model: RecallModel, config: RecallTraining, *, first: int | None = Non
     torch.manual_seed(config.seed)
     model.reset_parameters()
     generator = torch.Generator().manual_seed(config.seed)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": config.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
-    losses = []
-    began = time.perf_counter()
-    model.train()
-    for step in range(config.steps if first is None else first):
-        for group in opt.param_groups:
-            group["lr"] = config.lr_at(step)
-        inputs, targets, _ = training_batch(generator, config)
-        loss = model.loss(inputs, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-        opt.step()
-        losses.append(loss.item())
+    losses: list[float] = []
+
+    def after_step(step: int, loss: float) -> None:
+        losses.append(loss)
         if progress is not None:
-            progress(step, losses[-1])
-    model.eval()
-    return {"loss": losses, "seconds": time.perf_counter() - began}
+            progress(step, loss)
+
+    seconds = optimise(model, config, lambda: training_batch(generator, config)[:2],  # type: ignore[arg-type]
+                       config.steps if first is None else first, after_step)
+    return {"loss": losses, "seconds": seconds}
 
 
 @torch.no_grad()
