@@ -342,7 +342,7 @@ def _context_parallel_sizes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, w
 
 
 def ring_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, world: int, *,
-                         bytes_per_element: int = 2) -> int:
+                         bytes_per_element: int = 2, window: int | None = None) -> int:
     r"""Bytes one rank sends in the forward pass of `attention_ref.distributed.ring_attention`.
 
     The key and value slices travel the ring: ``W - 1`` steps of this rank's share,
@@ -361,12 +361,35 @@ def ring_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, worl
     a causal contiguous ring, a sliding window), and the busiest rank sends this much under
     a causal mask on the contiguous layout.
 
+    With ``window``, a causal sliding window of that many earlier keys
+    (`attention_ref.mods.sliding_window`) on the *contiguous* layout: a query reaches
+    ``k = ceil(window / n)`` slices back, so a slice travels ``k`` hops and the busiest
+    rank sends ``min(k, W - 1)`` slices,
+
+    $$
+    \min\!\Big(\Big\lceil \frac{w}{L / W} \Big\rceil,\ W - 1\Big)\, B\, H_{kv}\, \frac{L}{W}\, (E + E_v)
+    \times \text{bytes per element},
+    $$
+
+    which *falls* with ``W`` while a slice is at least as long as the window (one slice per
+    rank). On the zigzag layout a window saves almost nothing (a rank's late chunk needs a
+    chunk of the rank before it, ``W - 1`` hops away): use the formula without ``window``.
+
+    Raises:
+        ValueError: ``L`` not a multiple of ``world``, a size not positive, ``window`` negative.
+
     Examples:
         >>> ring_attention_bytes(1, 32, 8, 131072, 128, 128, 8) // 2**20   # Llama 3 8B, 128k, 8 ranks, MiB
         448
+        >>> ring_attention_bytes(1, 32, 8, 131072, 128, 128, 8, window=4096) // 2**20   # a 4k window
+        64
     """
     n = _context_parallel_sizes(B, H, Hkv, L, E, Ev, world, bytes_per_element)
-    return (world - 1) * B * Hkv * n * (E + Ev) * bytes_per_element
+    steps = world - 1
+    if window is not None:
+        window = check_positive_int("window", window, allow_zero=True)
+        steps = min(steps, -(-window // n))  # ceil(window / n) slices back
+    return steps * B * Hkv * n * (E + Ev) * bytes_per_element
 
 
 def ulysses_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, world: int, *,

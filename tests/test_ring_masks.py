@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from attention_ref import scaled_dot_product_attention
+from attention_ref.complexity import ring_attention_bytes
 from attention_ref.distributed import (
     count_communication,
     demo_worker,
@@ -173,6 +174,8 @@ def test_a_contiguous_window_sends_only_the_slices_it_reaches(runs, world, left)
         assert stats.backward_grad_steps_skipped == world - 1 - min(k, rank)
         computed = min(k, rank) + 1
         assert (stats.blocks_full + stats.blocks_masked, stats.blocks_skipped) == (computed, world - computed)
+    busiest = max(mine["window", "contiguous", left]["stats"].forward_bytes for mine in runs[world].values())
+    assert busiest == ring_attention_bytes(B, H, HKV, N, E, EV, world, bytes_per_element=8, window=left)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -292,3 +295,13 @@ def test_shard_positions_refuse_what_does_not_fit():
 def test_the_demo_worker_refuses_a_window_without_the_ring():
     with pytest.raises(ValueError, match=r"window= runs with strategy='ring' only .*got strategy='ulysses'"):
         demo_worker(0, 1, 0, "contiguous", True, "ulysses", 3)
+
+
+def test_the_window_bytes_formula_falls_with_the_ranks_and_refuses_a_negative_window():
+    llama = dict(B=1, H=32, Hkv=8, L=131072, E=128, Ev=128)
+    windowed = [ring_attention_bytes(**llama, world=w, window=4096) for w in (2, 4, 8, 16, 32)]
+    assert windowed == sorted(windowed, reverse=True) and windowed[0] == ring_attention_bytes(**llama, world=2)
+    assert ring_attention_bytes(**llama, world=64, window=4096) == 2 * ring_attention_bytes(**llama, world=64) // 63
+    assert ring_attention_bytes(**llama, world=8, window=0) == 0
+    with pytest.raises(ValueError, match="window"):
+        ring_attention_bytes(**llama, world=8, window=-1)
