@@ -78,7 +78,7 @@ from attention_ref import mods as _mods
 from attention_ref._validation import fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
-from attention_ref.tiled import _batch_shape
+from attention_ref.tiled import BlockMask, _batch_shape, _check_block_mask
 from attention_ref.varlen import _check_cu_seqlens
 
 __all__ = [
@@ -923,6 +923,7 @@ def ring_attention(
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     mask_mod: _mods.MaskMod | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor:
     r"""Attention of this rank's query slice over the whole sequence, its keys and values spread over the ranks.
 
@@ -995,6 +996,10 @@ def ring_attention(
             ``sliding_window``, ``chunked``, ``prefix_lm``, ...), the same function on every
             rank, combined with ``is_causal`` and ``cu_seqlens`` (all must hold). ``b`` indexes
             the leading dims before the heads, flattened; ``h`` the query head.
+        block_mask: a `attention_ref.tiled.BlockMask` made for the *full* length (``L = S =
+            n * world``, as FlexAttention users make one per batch): its ``mask_mod`` masks, as
+            ``mask_mod=`` would (pass both only when ``mask_mod`` is ``block_mask.mask_mod``).
+            The ring plans its own chunk pairs; the mask's blocks are not used.
 
     Returns:
         ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
@@ -1006,9 +1011,10 @@ def ring_attention(
             multiple of ``2 * world``), a bad scale or layout; ``sinks`` not of
             shape ``(H,)``, on another device, NaN or ``+inf``; bad ``cu_seqlens``, or
             none (or a sequence not a multiple of ``2 * world`` long) with
-            ``"zigzag-per-sequence"``; a ``mask_mod`` result that does not fit the scores.
+            ``"zigzag-per-sequence"``; a ``mask_mod`` result that does not fit the scores, a
+            ``block_mask`` made for another length or batch, or with another ``mask_mod``.
         TypeError: non-float inputs or inputs of different dtypes, ``sinks`` not a float tensor,
-            ``mask_mod`` not a mask mod or not returning bool.
+            ``mask_mod`` not a mask mod or not returning bool, ``block_mask`` not a `BlockMask`.
 
     Examples:
         >>> import os, tempfile, torch, torch.distributed as dist
@@ -1040,6 +1046,9 @@ def ring_attention(
         batch = _batch_shape(query, key, value, enable_gqa)
         check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))  # this rank's queries
     _inputs.check_mods(None, mask_mod)
+    if block_mask is not None:  # made for the whole sequence: its mod masks the global positions
+        _check_block_mask(block_mask, mask_mod, _batch_shape(query, key, value, enable_gqa), n * world, n * world)
+        mask_mod = block_mask.mask_mod
     cu = _layout_offsets("ring_attention", layout, cu_seqlens, n * world, world, query.device)
     documents = None if cu_seqlens is None else _documents(cu_seqlens, n * world, query.device)  # (n * world,)
     mask = _Mask(is_causal, documents, mask_mod, _batch_shape(query, key, value, enable_gqa), n * world)

@@ -30,6 +30,7 @@ from attention_ref.distributed import (
     unshard,
 )
 from attention_ref.mods import sliding_window
+from attention_ref.tiled import create_block_mask
 from attention_ref.varlen import varlen_attention
 from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
 
@@ -53,7 +54,7 @@ def _late_queries(b, h, q_idx, kv_idx):
 # --- what runs in the spawned processes ---------------------------------------------------------
 
 
-def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV, seed=0):
+def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV, seed=0, block_mask=None):
     """ring_attention forward and backward here; errors against dense attention with the same mask."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, d_out = (torch.randn(B, h, length, e, generator=gen, dtype=torch.float64)
@@ -63,7 +64,7 @@ def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV
     local = [shard(t, group=group, **placed).requires_grad_() for t in (q, k, v)]
     with count_communication() as stats:
         out = ring_attention(*local, is_causal=is_causal, enable_gqa=hkv != H, group=group, mask_mod=mask_mod,
-                             cu_seqlens=cu_t, layout=layout)
+                             cu_seqlens=cu_t, layout=layout, block_mask=block_mask)
         out.backward(shard(d_out, group=group, **placed))
     gathered = [unshard(t.detach(), group=group, **placed) for t in (out, *(x.grad for x in local))]
     keep = None
@@ -71,6 +72,8 @@ def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV
         docs = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
         keep = docs[:, None] == docs[None, :]
     full = [t.clone().requires_grad_() for t in (q, k, v)]
+    if block_mask is not None:  # the reference reads the mod the block mask was made from
+        mask_mod = block_mask.mask_mod
     dense = scaled_dot_product_attention(*full, keep, is_causal=is_causal, enable_gqa=hkv != H, mask_mod=mask_mod,
                                          backend="math")
     expected = [dense.detach(), *torch.autograd.grad(dense, full, d_out)]
@@ -99,6 +102,7 @@ def _cases(group, world):
     for layout, left in WINDOWS:
         mine["window", layout, left] = _run(group, layout, sliding_window(left))
     mine["window and causal"] = _run(group, "contiguous", sliding_window(5), is_causal=True)
+    mine["block mask"] = _run(group, "contiguous", None, block_mask=create_block_mask(_per_head, B, H, N, N))
     mine["per head"] = _run(group, "zigzag", _per_head)
     mine["late queries"] = _run(group, "contiguous", _late_queries, hkv=H)
     cu = [0, *itertools.accumulate(2 * world * n for n in PER_SEQUENCE)]
@@ -117,6 +121,8 @@ def _cases(group, world):
                                      layout="zigzag-per-sequence", cu_seqlens=bad),
             "no offsets": _message(ring_attention, zeros, zeros, zeros, group=group, layout="zigzag-per-sequence"),
             "offsets to shard": _message(shard, x, 0, group=group, layout="zigzag", cu_seqlens=torch.tensor(cu)),
+            "block mask length": _message(ring_attention, zeros, zeros, zeros, group=group,
+                                          block_mask=create_block_mask(_per_head, None, None, 8, 8)),
         }
     return mine
 
@@ -132,7 +138,7 @@ def runs():
 
 
 CASE_KEYS = ([("window", layout, left) for layout, left in WINDOWS]
-             + ["window and causal", "per head", "late queries", ("per sequence", True), ("per sequence", False),
+             + ["window and causal", "block mask", "per head", "late queries", ("per sequence", True), ("per sequence", False),
                 "per sequence window"])
 
 
@@ -228,6 +234,7 @@ def test_per_sequence_layout_errors_name_the_problem(runs, world):
         f"ring_attention with layout='zigzag-per-sequence' needs every packed sequence to be a multiple of "
         f"2 * world = {2 * world} long (pad it, as Megatron does), got sequence 0 of length {2 * world + 1}")
     assert messages["no offsets"].startswith("ring_attention with layout='zigzag-per-sequence' needs cu_seqlens")
+    assert messages["block mask length"] == f"block_mask was made for L=8, this call has L={2 * world * sum(PER_SEQUENCE)}"
     assert messages["offsets to shard"].startswith(
         "shard: cu_seqlens changes where positions go only with layout='zigzag-per-sequence', got layout='zigzag'")
 
