@@ -962,7 +962,10 @@ def ring_attention(
     Everything is computed in at least float32 (float32 for float16/bfloat16
     inputs); the output and the gradients are returned in the input dtype.
     Every rank must call it with tensors of the same shapes (not checked: a
-    mismatch hangs until the process group's timeout).
+    mismatch hangs until the process group's timeout). A rank with nothing to send or
+    receive at a step makes no point-to-point call; NCCL wants every rank in a group's
+    *first* batched point-to-point call, so on NCCL run one collective on ``group``
+    (a barrier) before the first masked ring (tested with gloo only, which needs none).
 
     Args:
         query: ``(..., H, n, E)``, this rank's queries, ``n = L / world``.
