@@ -78,7 +78,7 @@ from attention_ref import mods as _mods
 from attention_ref._validation import fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
-from attention_ref.tiled import BlockMask, _batch_shape, _check_block_mask
+from attention_ref.tiled import BlockMask, _band_of, _batch_shape, _check_block_mask
 from attention_ref.varlen import _check_cu_seqlens
 
 __all__ = [
@@ -463,6 +463,42 @@ def _pair_keep(mask: _Mask, q: _Piece, kv: _Piece, device: torch.device | str | 
     return keep
 
 
+def _bounded_kind(mask: _Mask, q: _Piece, kv: _Piece) -> str | None:
+    """The kind of a chunk pair when bounds decide it, without forming its mask; None when they do not.
+
+    The causal mask and a `attention_ref.mods.sliding_window` (or `attention_ref.mods.causal`)
+    mod keep key ``j`` for query ``i`` when ``i + low <= j <= i + high``: a band, whose kind
+    on the block of rows ``i0..i1`` and keys ``j0..j1`` its corners give (as
+    `attention_ref.tiled` reads its blocks). Packed sequences: a pair whose sequences do not
+    overlap is empty, a pair inside one sequence is as the band says. Anything else (another
+    mod, a pair across a boundary) is evaluated. So a window over a long sequence costs
+    ``O(W^2)`` bounds and the evaluation of the pairs along its band only.
+    """
+    if q.length == 0 or kv.length == 0:
+        return "skipped"
+    band = None if mask.mask_mod is None else _band_of(mask.mask_mod)
+    decided = mask.mask_mod is None or band is not None
+    lows = [band[0]] if band is not None and band[0] is not None else []
+    highs = [0] if mask.is_causal else []
+    highs += [band[1]] if band is not None and band[1] is not None else []
+    low, high = (max(lows) if lows else None), (min(highs) if highs else None)
+    i0, i1, j0, j1 = q.start, q.start + q.length - 1, kv.start, kv.start + kv.length - 1
+    full = (low is None or j0 >= i1 + low) and (high is None or j1 <= i0 + high)
+    first = i0 if high is None else max(i0, j0 - high)  # the rows that may meet the band
+    last = i1 if low is None else min(i1, j1 - low)
+    if first > last:
+        return "skipped"
+    if mask.documents is not None:
+        d = mask.documents
+        q_docs, kv_docs = (int(d[i0]), int(d[i1])), (int(d[j0]), int(d[j1]))  # positions are in order
+        if q_docs[1] < kv_docs[0] or kv_docs[1] < q_docs[0]:
+            return "skipped"
+        decided = decided and q_docs[0] == q_docs[1] == kv_docs[0] == kv_docs[1]
+    if not decided:
+        return None
+    return "full" if full else "masked"
+
+
 def _kind_of(keep: torch.Tensor | None) -> str:
     if keep is None or bool(keep.all()):
         return "full"
@@ -482,8 +518,11 @@ def _rank_blocks(rank: int, world: int, pieces: list[list[_Piece]], mask: _Mask,
                     kind = _block_kind(q.chunk, kv.chunk, mask.is_causal)
                     keep = _pair_keep(mask, q, kv, device) if kind == "masked" and keeps is not None else None
                 else:
-                    keep = _pair_keep(mask, q, kv, device)
-                    kind = _kind_of(keep)
+                    kind = _bounded_kind(mask, q, kv)
+                    keep = None
+                    if kind is None or (kind == "masked" and keeps is not None):
+                        keep = _pair_keep(mask, q, kv, device)
+                        kind = _kind_of(keep) if kind is None else kind
                 blocks.append(RingBlock(step, source, q.chunk, kv.chunk, kind))
                 if keeps is not None and kind != "skipped":
                     keeps[step, q.chunk, kv.chunk] = keep if kind == "masked" else None

@@ -312,3 +312,27 @@ def test_the_window_bytes_formula_falls_with_the_ranks_and_refuses_a_negative_wi
     assert ring_attention_bytes(**llama, world=8, window=0) == 0
     with pytest.raises(ValueError, match="window"):
         ring_attention_bytes(**llama, world=8, window=-1)
+
+
+def _opaque(mask_mod):
+    """The same mask, in a function `attention_ref.mods.describe` cannot read: evaluated on every pair."""
+    return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "zigzag-per-sequence"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bounds_decide_the_same_kinds_as_evaluating_the_mask(world, layout, causal):
+    """The plan reads a sliding window's band (and the packed sequences' bounds) instead of forming
+    each chunk pair's mask; every kind must be the one the evaluated mask gives."""
+    cu = [0, *itertools.accumulate(2 * world * n for n in (3, 0, 1, 4))]
+    length = cu[-1]
+    for packed in (False, True):
+        offsets = torch.tensor(cu) if packed or layout == "zigzag-per-sequence" else None
+        for window in (sliding_window(0), sliding_window(3), sliding_window(7, 2), sliding_window(None, 5),
+                       sliding_window(4, 4, offset=-3)):
+            def plan(mod):
+                return ring_schedule(world, layout=layout, is_causal=causal, length=length, mask_mod=mod,
+                                     cu_seqlens=offsets)
+
+            assert plan(window) == plan(_opaque(window))
