@@ -1037,7 +1037,10 @@ def ring_attention(
             ``(b, h, q_idx, kv_idx) -> bool`` (True = takes part; `attention_ref.mods`:
             ``sliding_window``, ``chunked``, ``prefix_lm``, ...), the same function on every
             rank, combined with ``is_causal`` and ``cu_seqlens`` (all must hold). ``b`` indexes
-            the leading dims before the heads, flattened; ``h`` the query head.
+            the leading dims before the heads, flattened; ``h`` the query head. Every rank
+            plans the whole ring (how far each slice travels): ``causal`` and
+            ``sliding_window`` mods are read as bands, at no cost; any other mod is evaluated
+            on every chunk pair of every rank, one pair at a time (``N^2`` booleans per call).
         block_mask: a `attention_ref.tiled.BlockMask` made for the *full* length (``L = S =
             n * world``, as FlexAttention users make one per batch): its ``mask_mod`` masks, as
             ``mask_mod=`` would (pass both only when ``mask_mod`` is ``block_mask.mask_mod``).
