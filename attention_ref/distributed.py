@@ -173,7 +173,8 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
 def _positions(rank: int, world: int, local_len: int, layout: str, device: torch.device | str | None = None,
                cu: list[int] | None = None) -> torch.Tensor:
     """The global positions ``(local_len,)`` that rank ``rank`` holds, in its local order."""
-    runs = [torch.arange(p.start, p.start + p.length, device=device) for p in _pieces(rank, world, local_len, layout, cu)]
+    pieces = _pieces(rank, world, local_len, layout, cu)
+    runs = [torch.arange(p.start, p.start + p.length, device=device) for p in pieces]
     return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.long, device=device)
 
 
@@ -297,7 +298,7 @@ def shard(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     length = x.shape[dim]
     _refuse_unused_offsets("shard", layout, cu_seqlens)
-    cu = _layout_offsets("shard", layout, cu_seqlens, length, world, x.device)
+    cu = _layout_offsets("shard", layout, cu_seqlens, length, world, None)  # read as a list: any device
     multiple = _required_multiple(world, layout)
     if length % multiple:
         raise ValueError(
@@ -395,7 +396,7 @@ def unshard(
             f"x_local.shape[{dim}] = {x_local.shape[dim]}"
         )
     _refuse_unused_offsets("unshard", layout, cu_seqlens)
-    cu = _layout_offsets("unshard", layout, cu_seqlens, x_local.shape[dim] * world, world, x_local.device)
+    cu = _layout_offsets("unshard", layout, cu_seqlens, x_local.shape[dim] * world, world, None)
     return _Unshard.apply(x_local, dim, group, layout, world, cu_seqlens, cu)
 
 
@@ -845,8 +846,9 @@ class _RingAttention(torch.autograd.Function):
             if out[i] is None:
                 out[i] = q.new_zeros((*batch, p.length, value.shape[-1]))
                 lse[i] = q.new_full((*batch, p.length), float("-inf"))
-        output = torch.cat([*out, q.new_zeros((*batch, 0, value.shape[-1]))], dim=-2)  # type: ignore[list-item]  # (..., H, n, Ev)
-        row_lse = torch.cat([*lse, q.new_zeros((*batch, 0))], dim=-1)  # type: ignore[list-item]  # (..., H, n)
+        # (..., H, n, Ev) and (..., H, n), the compute dtype (an empty part: a rank that holds nothing)
+        output = torch.cat([*out, q.new_zeros((*batch, 0, value.shape[-1]))], dim=-2)  # type: ignore[list-item]
+        row_lse = torch.cat([*lse, q.new_zeros((*batch, 0))], dim=-1)  # type: ignore[list-item]
         ctx.save_for_backward(query, key, value, output, row_lse)
         ctx.options = (scale, enable_gqa, group, rank, world, plan)
         return output, row_lse  # sink-free, in the compute dtype: ring_attention adds the sink and casts
