@@ -78,7 +78,7 @@ from attention_ref import mods as _mods
 from attention_ref._validation import fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
-from attention_ref.tiled import BlockMask, _band_of, _batch_shape, _check_block_mask
+from attention_ref.tiled import BlockMask, _band_of, _batch_shape, _check_block_mask, _mod_sizes
 from attention_ref.varlen import _check_cu_seqlens
 
 __all__ = [
@@ -1169,6 +1169,27 @@ def _head_slices(caller: str, query: torch.Tensor, key: torch.Tensor, value: tor
     return key, value, sinks
 
 
+def _own_heads(keep: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """A mask broadcastable to ``(..., H, L, S)``, cut to rank ``rank``'s ``H / world`` heads when it has them."""
+    if keep.dim() < 3 or keep.shape[-3] == 1:
+        return keep  # the same for every head
+    per = keep.shape[-3] // world
+    return keep[..., rank * per:(rank + 1) * per, :, :]
+
+
+def _shifted_heads(mask_mod: _mods.MaskMod, first: int) -> _mods.MaskMod:
+    """``mask_mod`` as seen by a rank holding the query heads ``first, first + 1, ...``: its ``h`` is
+    the global head. A band (`attention_ref.mods.causal`, ``sliding_window``) reads no head: as it is."""
+    if first == 0 or _band_of(mask_mod) is not None:
+        return mask_mod
+
+    def global_heads_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+                              ) -> torch.Tensor:
+        return mask_mod(b, h + first, q_idx, kv_idx)
+
+    return global_heads_mask_mod
+
+
 def ulysses_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1180,6 +1201,7 @@ def ulysses_attention(
     group: dist.ProcessGroup | None = None,
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    mask_mod: _mods.MaskMod | None = None,
 ) -> torch.Tensor:
     r"""DeepSpeed-Ulysses: trade the sequence slices for head slices, attend, trade back.
 
@@ -1219,6 +1241,10 @@ def ulysses_attention(
         cu_seqlens: ``(S + 1,)`` cumulative lengths of sequences packed along the whole
             length (from 0 to ``n * W``), as in `ring_attention`: no attention across a
             boundary, ``is_causal`` within each sequence.
+        mask_mod: a mask over global positions and the *global* query head, in
+            FlexAttention's signature, as in `ring_attention` (combined with the others).
+            Each rank evaluates it on the whole sequence for all heads and keeps its own
+            heads' rows, so a mod that reads ``h`` sees the head it names.
 
     Returns:
         ``(..., H, n, Ev)``, this rank's slice of the output, in ``query``'s dtype.
@@ -1228,6 +1254,7 @@ def ulysses_attention(
         ValueError: ``H`` not a multiple of ``W``, or ``Hkv`` neither a multiple nor a divisor
             of ``W`` (each with the numbers); query and key slices of different lengths;
             ``sinks`` not of shape ``(H,)``; as `attention_ref.scaled_dot_product_attention`.
+        TypeError: ``mask_mod`` not a mask mod, or returning something else than bool.
         NotImplementedError: ``sinks`` with one value per query (use `ring_attention`).
 
     Examples:
@@ -1243,7 +1270,9 @@ def ulysses_attention(
     """
     rank, world = _group_info(group, "ulysses_attention")
     query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
+    _inputs.check_mods(None, mask_mod)
     n = query.shape[-2]
+    batch = _batch_shape(query, key, value, enable_gqa)  # (..., H): the scores' leading dims, all heads
     key, value, sinks = _head_slices("ulysses_attention", query, key, value, sinks, enable_gqa, rank, world,
                                      "the world size")
     # (..., H, n, E) -> (..., H / W, L, E): head slices over the whole sequence, in rank (= position) order
@@ -1252,6 +1281,9 @@ def ulysses_attention(
     if cu_seqlens is not None:  # (L, L): keys of the query's own sequence only
         documents = _documents(cu_seqlens, n * world, query.device)
         keep = documents[:, None] == documents[None, :]
+    if mask_mod is not None:  # (..., H | 1, L, L) over every head, then this rank's heads
+        chosen = _own_heads(_mods.apply_mask_mod(mask_mod, batch, n * world, n * world, query.device), rank, world)
+        keep = chosen if keep is None else keep & chosen
     out = scaled_dot_product_attention(q, k, v, keep, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                                        sinks=sinks)  # (..., H / W, L, Ev)
     return _AllToAll.apply(out, -2, -3, group, world)  # (..., H / W, L, Ev) -> (..., H, n, Ev)
@@ -1270,6 +1302,7 @@ def usp_attention(
     layout: str = "contiguous",
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    mask_mod: _mods.MaskMod | None = None,
 ) -> torch.Tensor:
     r"""USP (unified sequence parallelism): Ulysses inside a group of ranks, the ring across groups.
 
@@ -1298,6 +1331,9 @@ def usp_attention(
             long, and `shard` across the column given the same ``cu_seqlens``).
         sinks: ``(H,)`` per-head sinks, the same on every rank; the gradient is this rank's share.
         cu_seqlens: packed sequences along the whole length, as in `ring_attention`.
+        mask_mod: a mask over global positions and the global query head, as in
+            `ulysses_attention`; the ring plans with it (a band is read, any other mod
+            evaluated, as in `ring_attention`).
 
     Returns:
         ``(..., H, n, Ev)``, this rank's slice of the output.
@@ -1312,12 +1348,17 @@ def usp_attention(
     u_rank, u_world = _group_info(ulysses_group, "usp_attention (ulysses_group)")
     _, r_world = _group_info(ring_group, "usp_attention (ring_group)")
     query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
+    _inputs.check_mods(None, mask_mod)
+    if mask_mod is not None:  # the sizes a mod was built for are the whole call's: checked here, once
+        total = query.shape[-2] * u_world * r_world  # the full length
+        _mods.validate_sizes(mask_mod, *_mod_sizes(_batch_shape(query, key, value, enable_gqa)), total, total)
+        mask_mod = _shifted_heads(mask_mod, u_rank * query.shape[-3] // u_world)
     key, value, sinks = _head_slices("usp_attention", query, key, value, sinks, enable_gqa, u_rank, u_world,
                                      "the Ulysses group's size")
     # (..., H, n, E) -> (..., H / U, U n, E): this row's block of the sequence, this rank's heads
     q, k, v = (_AllToAll.apply(t, -3, -2, ulysses_group, u_world) for t in (query, key, value))
     out = ring_attention(q, k, v, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa, group=ring_group,
-                         layout=layout, sinks=sinks, cu_seqlens=cu_seqlens)  # (..., H / U, U n, Ev)
+                         layout=layout, sinks=sinks, cu_seqlens=cu_seqlens, mask_mod=mask_mod)  # (..., H / U, U n, Ev)
     return _AllToAll.apply(out, -2, -3, ulysses_group, u_world)  # -> (..., H, n, Ev)
 
 

@@ -16,6 +16,7 @@ import torch
 from attention_ref import scaled_dot_product_attention
 from attention_ref.complexity import ulysses_attention_bytes
 from attention_ref.distributed import count_communication, shard, ulysses_attention, unshard
+from attention_ref.mods import sliding_window
 from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
 
 B, H, E, EV, N = 2, 12, 5, 7, 24
@@ -31,7 +32,12 @@ def _inputs(hkv, seed, dtype=torch.float64):
     return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
 
 
-def _case(group, world, heads, causal, dtype=torch.float64, with_sinks=False, seed=0):
+def _per_head(b, h, q_idx, kv_idx):
+    """A causal window of 2 + 2 h + 5 b keys: a mask that reads the global head and the batch row."""
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= 2 + 2 * h + 5 * b)
+
+
+def _case(group, world, heads, causal, dtype=torch.float64, with_sinks=False, seed=0, mask_mod=None):
     hkv = KV_HEADS[heads][world]
     gqa = hkv != H
     q, k, v, d_out = _inputs(hkv, seed, dtype)
@@ -39,13 +45,14 @@ def _case(group, world, heads, causal, dtype=torch.float64, with_sinks=False, se
     local = [shard(t, group=group, layout="contiguous").requires_grad_() for t in (q, k, v)]
     mine = None if sinks is None else sinks.clone().requires_grad_()
     with count_communication() as stats:
-        out = ulysses_attention(*local, is_causal=causal, enable_gqa=gqa, group=group, sinks=mine)
+        out = ulysses_attention(*local, is_causal=causal, enable_gqa=gqa, group=group, sinks=mine, mask_mod=mask_mod)
         out.backward(shard(d_out, group=group, layout="contiguous"))
     gathered = [unshard(t.detach(), group=group, layout="contiguous").double()
                 for t in (out, *(x.grad for x in local))]
     full = [t.double().clone().requires_grad_() for t in (q, k, v)]
     full_sinks = None if sinks is None else sinks.double().clone().requires_grad_()
-    expected = scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=gqa, sinks=full_sinks, backend="math")
+    expected = scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=gqa, sinks=full_sinks,
+                                            mask_mod=mask_mod, backend="math")
     wanted = full + ([] if full_sinks is None else [full_sinks])
     grads = torch.autograd.grad(expected, wanted, d_out.double())
     result = {"errors": [(a - b).abs().max().item() for a, b in zip(gathered, (expected.detach(), *grads[:3]))],
@@ -81,6 +88,8 @@ def _cases(group, world):
     mine = {case: _case(group, world, *case) for case in CASES}
     mine["sinks"] = _case(group, world, "gqa cut", True, with_sinks=True, seed=2)
     mine["float32"] = _case(group, world, "gqa cut", True, torch.float32, seed=1)
+    mine["per head"] = _case(group, world, "gqa repeated", False, seed=4, mask_mod=_per_head)
+    mine["window"] = _case(group, world, "mha", True, seed=5, mask_mod=sliding_window(3))
     mine["messages"] = _messages(group, world) if world > 1 else {}
     return mine
 
@@ -114,6 +123,14 @@ def test_sinks_count_once_and_the_ranks_gradients_sum_to_the_whole(runs, world):
         shares.append(run["sinks_grad"])
     whole = runs[world][0]["sinks"]["expected_sinks_grad"]
     torch.testing.assert_close(torch.stack(shares).sum(0), whole, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["per head", "window"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_mask_mod_reads_global_positions_and_global_heads(runs, world, case):
+    for rank, mine in runs[world].items():
+        errors = mine[case]["errors"]
+        assert max(errors) < 1e-10, f"rank {rank}: errors of out, dq, dk, dv {errors}"
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from attention_ref import scaled_dot_product_attention
 from attention_ref.complexity import usp_attention_bytes
 from attention_ref.distributed import count_communication, demo_worker, shard, spawn, unshard, usp_attention
+from attention_ref.mods import sliding_window
 
 GRIDS = {"2x2": ([[0, 1], [2, 3]], [[0, 2], [1, 3]]),  # rows (Ulysses groups), columns (ring groups)
          "4x1": ([[0, 1, 2, 3]], [[0], [1], [2], [3]]),
@@ -48,7 +49,12 @@ def _unshard(t, row, column, layout, cu=None):
     return unshard(unshard(t, group=row, layout="contiguous"), group=column, layout=layout, **per_sequence)
 
 
-def _case(row, column, layout, causal, sinks=False, packed=False, seed=0, hkv=HKV):
+def _per_head(b, h, q_idx, kv_idx):
+    """A causal window of 3 + 2 h keys: a mask that reads the global query head."""
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= 3 + 2 * h)
+
+
+def _case(row, column, layout, causal, sinks=False, packed=False, seed=0, hkv=HKV, mask_mod=None):
     gen = torch.Generator().manual_seed(seed)
     q, k, v, d_out = (torch.randn(1, h, N, e, generator=gen, dtype=torch.float64)
                       for h, e in ((H, E), (hkv, E), (hkv, EV), (H, EV)))
@@ -59,7 +65,7 @@ def _case(row, column, layout, causal, sinks=False, packed=False, seed=0, hkv=HK
     mine = None if s is None else s.clone().requires_grad_()
     with count_communication() as stats:
         out = usp_attention(*local, ulysses_group=row, ring_group=column, is_causal=causal, enable_gqa=True,
-                            layout=layout, sinks=mine, cu_seqlens=cu)
+                            layout=layout, sinks=mine, cu_seqlens=cu, mask_mod=mask_mod)
         out.backward(_shard(d_out, row, column, layout, cu))
     gathered = [_unshard(t.detach(), row, column, layout, cu) for t in (out, *(x.grad for x in local))]
     keep = None
@@ -68,7 +74,7 @@ def _case(row, column, layout, causal, sinks=False, packed=False, seed=0, hkv=HK
         keep = docs[:, None] == docs[None, :]
     full = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if s is None else [s.clone().requires_grad_()])
     dense = scaled_dot_product_attention(*full[:3], keep, is_causal=causal, enable_gqa=True,
-                                         sinks=full[3] if sinks else None, backend="math")
+                                         sinks=full[3] if sinks else None, mask_mod=mask_mod, backend="math")
     grads = torch.autograd.grad(dense, full, d_out)
     result = {"errors": [(a - b).abs().max().item() for a, b in zip(gathered, (dense.detach(), *grads[:3]))],
               "all_to_all": stats.forward_all_to_all, "ring_steps": stats.forward_steps,
@@ -86,6 +92,8 @@ def _worker(rank, world_size):
         mine["packed"] = _case(row, column, "contiguous", True, packed=True, seed=2)
         # Megatron's layout across the ring: every sequence a multiple of 2 R = 8 (R <= 4)
         mine["per sequence"] = _case(row, column, "zigzag-per-sequence", True, packed=True, seed=4)
+        mine["per head"] = _case(row, column, "contiguous", False, seed=5, mask_mod=_per_head)
+        mine["window"] = _case(row, column, "contiguous", False, seed=6, mask_mod=sliding_window(5))
         # 2 key/value heads: fewer than the 4 ranks of a 4 x 1 row, each repeated twice
         mine["repeated"] = _case(row, column, "zigzag", True, seed=3, hkv=2)
         results[name] = mine
@@ -100,7 +108,7 @@ def runs():
     return spawn(_worker, 4, timeout=240)
 
 
-@pytest.mark.parametrize("case", CASES + ["packed", "per sequence", "repeated"], ids=str)
+@pytest.mark.parametrize("case", CASES + ["packed", "per sequence", "repeated", "per head", "window"], ids=str)
 @pytest.mark.parametrize("grid", GRIDS)
 def test_usp_equals_one_process(runs, grid, case):
     for rank, results in enumerate(runs):
