@@ -54,7 +54,8 @@ def _late_queries(b, h, q_idx, kv_idx):
 # --- what runs in the spawned processes ---------------------------------------------------------
 
 
-def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV, seed=0, block_mask=None):
+def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV, seed=0, block_mask=None,
+         sinks=False):
     """ring_attention forward and backward here; errors against dense attention with the same mask."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, d_out = (torch.randn(B, h, length, e, generator=gen, dtype=torch.float64)
@@ -62,9 +63,10 @@ def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV
     cu_t = None if cu is None else torch.tensor(cu)
     placed = {"layout": layout, "cu_seqlens": cu_t if layout == "zigzag-per-sequence" else None}
     local = [shard(t, group=group, **placed).requires_grad_() for t in (q, k, v)]
+    s = torch.randn(H, generator=gen, dtype=torch.float64) if sinks else None  # (H,): replicated
     with count_communication() as stats:
         out = ring_attention(*local, is_causal=is_causal, enable_gqa=hkv != H, group=group, mask_mod=mask_mod,
-                             cu_seqlens=cu_t, layout=layout, block_mask=block_mask)
+                             cu_seqlens=cu_t, layout=layout, block_mask=block_mask, sinks=s)
         out.backward(shard(d_out, group=group, **placed))
     gathered = [unshard(t.detach(), group=group, **placed) for t in (out, *(x.grad for x in local))]
     keep = None
@@ -75,7 +77,7 @@ def _run(group, layout, mask_mod, *, is_causal=False, cu=None, length=N, hkv=HKV
     if block_mask is not None:  # the reference reads the mod the block mask was made from
         mask_mod = block_mask.mask_mod
     dense = scaled_dot_product_attention(*full, keep, is_causal=is_causal, enable_gqa=hkv != H, mask_mod=mask_mod,
-                                         backend="math")
+                                         sinks=s, backend="math")
     expected = [dense.detach(), *torch.autograd.grad(dense, full, d_out)]
     result = {"errors": [(a - b).abs().max().item() for a, b in zip(gathered, expected)], "stats": stats,
               "zero_rows": gathered[0][..., :10, :].abs().max().item()}
@@ -105,6 +107,7 @@ def _cases(group, world):
     mine["block mask"] = _run(group, "contiguous", None, block_mask=create_block_mask(_per_head, B, H, N, N))
     mine["per head"] = _run(group, "zigzag", _per_head)
     mine["late queries"] = _run(group, "contiguous", _late_queries, hkv=H)
+    mine["late queries and sinks"] = _run(group, "zigzag", _late_queries, sinks=True, seed=1)
     cu = [0, *itertools.accumulate(2 * world * n for n in PER_SEQUENCE)]
     for causal in (True, False):
         mine["per sequence", causal] = _run(group, "zigzag-per-sequence", None, is_causal=causal, cu=cu,
@@ -138,7 +141,7 @@ def runs():
 
 
 CASE_KEYS = ([("window", layout, left) for layout, left in WINDOWS]
-             + ["window and causal", "block mask", "per head", "late queries", ("per sequence", True), ("per sequence", False),
+             + ["window and causal", "block mask", "late queries and sinks", "per head", "late queries", ("per sequence", True), ("per sequence", False),
                 "per sequence window"])
 
 
