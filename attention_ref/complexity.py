@@ -373,7 +373,8 @@ def ring_attention_bytes(B: int, H: int, Hkv: int, L: int, E: int, Ev: int, worl
 
     which *falls* with ``W`` while a slice is at least as long as the window (one slice per
     rank). On the zigzag layout a window saves almost nothing (a rank's late chunk needs a
-    chunk of the rank before it, ``W - 1`` hops away): use the formula without ``window``.
+    chunk of the next rank, whose slice arrives after ``W - 1`` hops): use the formula
+    without ``window``.
 
     Raises:
         ValueError: ``L`` not a multiple of ``world``, a size not positive, ``window`` negative.

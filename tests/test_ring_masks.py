@@ -189,10 +189,11 @@ def test_a_contiguous_window_sends_only_the_slices_it_reaches(runs, world, left)
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_zigzag_window_still_needs_nearly_the_whole_ring(runs, world):
-    """A window within one chunk (5 < N / 2W): rank x's late chunk 2W - 1 - x reaches back into chunk
-    2W - x, which rank x - 1 holds, W - 1 steps along the ring; only rank 0's slice (chunks 0 and
-    2W - 1, which no other chunk reaches back into but chunk 1) stops after one hop. So ranks 0 and
-    W - 1 send W - 1 times, the others W - 2 (they skip passing on rank 0's slice)."""
+    """A window within one chunk (5 < N / 2W): chunk 2W - x, rank x - 1's late chunk, reaches back
+    into rank x's late chunk 2W - 1 - x, so rank x's slice must travel W - 1 steps to rank x - 1;
+    only rank 0's slice (chunks 0 and 2W - 1, which no chunk but chunk 1 reaches back into) stops
+    after one hop. So ranks 0 and W - 1 send W - 1 times, the others W - 2 (they skip passing on
+    rank 0's slice)."""
     for rank, mine in runs[world].items():
         stats = mine["window", "zigzag", 5]["stats"]
         kv_sends = world - 1 if rank in (0, world - 1) else world - 2
