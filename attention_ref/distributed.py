@@ -1491,8 +1491,8 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         is_causal: causal attention.
         strategy: ``"ring"`` (`ring_attention`), ``"ulysses"`` (`ulysses_attention`) or
             ``"usp"`` (`usp_attention` on the grid above).
-        window: with the ring, a sliding window of that many earlier keys (and the
-            query's own), ``mask_mod=attention_ref.mods.sliding_window(window)``; the
+        window: a sliding window of that many earlier keys (and the query's own),
+            ``mask_mod=attention_ref.mods.sliding_window(window)`` for any strategy; the
             ring's plan then skips the slices no rank further along needs.
 
     Returns:
@@ -1503,8 +1503,8 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         global positions this rank held).
 
     Raises:
-        ValueError: an unknown ``strategy``, ``"ulysses"`` with a layout other than
-            ``"contiguous"``, or a ``window`` with another strategy than the ring.
+        ValueError: an unknown ``strategy``, or ``"ulysses"`` with a layout other than
+            ``"contiguous"``.
 
     Examples:
         >>> import os, tempfile, torch.distributed as dist
@@ -1521,9 +1521,6 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
         raise ValueError(f"strategy must be 'ring', 'ulysses' or 'usp', got {strategy!r}")
     if strategy == "ulysses" and layout != "contiguous":
         raise ValueError(f"Ulysses takes contiguous slices: layout must be 'contiguous', got {layout!r}")
-    if window is not None and strategy != "ring":
-        raise ValueError(f"window= runs with strategy='ring' only (a mask_mod over global positions), "
-                         f"got strategy={strategy!r}")
     mask_mod = None if window is None else _mods.sliding_window(window)
     gen = torch.Generator().manual_seed(seed)
     B, H, Hkv, E = 1, 4, 2, 8
@@ -1545,12 +1542,12 @@ def demo_worker(rank: int, world: int, seed: int = 0, layout: str = "zigzag", is
     attend: Callable[..., torch.Tensor]
     attend = functools.partial(ring_attention, layout=layout, mask_mod=mask_mod)
     if strategy == "ulysses":
-        attend = ulysses_attention
+        attend = functools.partial(ulysses_attention, mask_mod=mask_mod)
     if strategy == "usp":
         # across the ring (the column), then within the row
         cuts = [(column, layout), (row, "contiguous")]
         attend = functools.partial(usp_attention, ulysses_group=row,
-                                   ring_group=column, layout=layout)
+                                   ring_group=column, layout=layout, mask_mod=mask_mod)
 
     def part(t: torch.Tensor) -> torch.Tensor:
         for group, how in cuts:

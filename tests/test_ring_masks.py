@@ -21,7 +21,6 @@ from attention_ref import scaled_dot_product_attention
 from attention_ref.complexity import ring_attention_bytes
 from attention_ref.distributed import (
     count_communication,
-    demo_worker,
     ring_attention,
     ring_hops,
     ring_schedule,
@@ -301,11 +300,6 @@ def test_shard_positions_refuse_what_does_not_fit():
         shard_positions(2, 8, layout="contiguous", cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(TypeError, match=r"length must be an int, got float"):
         shard_positions(2, 8.0)
-
-
-def test_the_demo_worker_refuses_a_window_without_the_ring():
-    with pytest.raises(ValueError, match=r"window= runs with strategy='ring' only .*got strategy='ulysses'"):
-        demo_worker(0, 1, 0, "contiguous", True, "ulysses", 3)
 
 
 def test_the_window_bytes_formula_falls_with_the_ranks_and_refuses_a_negative_window():

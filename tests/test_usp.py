@@ -100,6 +100,9 @@ def _worker(rank, world_size):
     # the documentation's worker, on its own grid (U = 2 for 4 ranks: 2 x 2)
     results["demo"] = {layout: demo_worker(rank, world_size, 0, layout, True, "usp")
                        for layout in ("zigzag", "contiguous")}
+    # the worker's window, through every strategy
+    results["demo window"] = {strategy: demo_worker(rank, world_size, 1, "contiguous", True, strategy, 5)
+                              for strategy in ("ring", "ulysses", "usp")}
     return results
 
 
@@ -201,3 +204,9 @@ def test_demo_worker_runs_usp_on_a_2_by_2_grid(runs, layout):
 def test_demo_worker_names_a_strategy_it_does_not_know():
     with pytest.raises(ValueError, match="strategy must be 'ring', 'ulysses' or 'usp', got 'tree'"):
         demo_worker(0, 1, strategy="tree")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses", "usp"])
+def test_the_demo_workers_window_runs_through_every_strategy(runs, strategy):
+    for results in runs:
+        assert results["demo window"][strategy]["max_error"] < 1e-12
