@@ -976,9 +976,9 @@ def ring_attention(
 
     At each of ``world`` steps this rank computes its queries against the
     key/value slice it holds, with ``scaled_dot_product_attention(...,
-    return_lse=True)`` on the chunk pairs that `ring_schedule` lists (a chunk
-    pair entirely in the future is skipped, a diagonal pair computed with a
-    causal mask built from the global positions), and merges the partial result
+    return_lse=True)`` on the chunk pairs that `ring_schedule` lists (a pair in
+    which no query sees a key is skipped, one that only some keys take part in is
+    computed with its mask, built from the global positions), and merges the partial result
     into its running one with `attention_ref.functional.merge_attention`. While
     it computes, the slice is already on its way to rank ``r + 1`` and the next
     one arriving from rank ``r - 1``. A slice is passed on only while a rank further
