@@ -597,8 +597,9 @@ def ring_schedule(
 
     Raises:
         ValueError: ``world < 1``, an unknown layout, ``length`` missing where it is needed
-            or not divisible, bad ``cu_seqlens``.
-        TypeError: ``world`` or ``length`` is not an int, ``mask_mod`` not a mask mod.
+            or not divisible, bad ``cu_seqlens``, ``batch`` without a ``mask_mod``.
+        TypeError: ``world`` or ``length`` is not an int, ``mask_mod`` not a mask mod, ``batch``
+            not a tuple of positive ints.
 
     Examples:
         >>> kinds = [[b.kind for b in blocks] for blocks in ring_schedule(4, layout="contiguous")]
@@ -618,6 +619,11 @@ def ring_schedule(
     layout = _check_layout(layout)
     _inputs.check_bool("is_causal", is_causal)
     _inputs.check_mods(None, mask_mod)
+    if not isinstance(batch, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+                                               for d in batch):
+        raise TypeError(f"batch must be a tuple of positive ints (the scores' leading dims, ..., H), got {batch!r}")
+    if batch and mask_mod is None:
+        raise ValueError(f"batch={batch!r} only matters to a mask_mod (which reads b and h); none was given")
     needs_length = mask_mod is not None or cu_seqlens is not None or layout == "zigzag-per-sequence"
     if length is None:
         if needs_length:
@@ -631,7 +637,7 @@ def ring_schedule(
                          f"and world={world}, got {length}")
     cu = _layout_offsets("ring_schedule", layout, cu_seqlens, length, world, None)
     documents = None if cu_seqlens is None else _documents(cu_seqlens, length, torch.device("cpu"))
-    mask = _Mask(is_causal, documents, mask_mod, tuple(batch), length)
+    mask = _Mask(is_causal, documents, mask_mod, batch, length)
     pieces = [_pieces(rank, world, length // world, layout, cu) for rank in range(world)]
     return [_rank_blocks(rank, world, pieces, mask) for rank in range(world)]
 

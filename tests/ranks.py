@@ -37,10 +37,11 @@ def in_every_group(rank: int, world_size: int, cases: Callable[[Any, int], dict]
     return results
 
 
-def run_in_every_group(worker: Callable[[int, int], dict], timeout: float = 240) -> dict[int, dict[int, dict]]:
-    """Spawn ``worker`` (which calls `in_every_group`) in 4 processes; ``result[world][group rank]``."""
+def run_in_every_group(cases: Callable[[Any, int], dict], timeout: float = 240) -> dict[int, dict[int, dict]]:
+    """`in_every_group` with ``cases`` (a top-level function: the processes import it) in 4 spawned
+    processes; ``result[world][group rank]``."""
     by_world: dict[int, dict[int, dict]] = {}
-    for results in spawn(worker, 4, timeout=timeout):
+    for results in spawn(in_every_group, 4, cases, timeout=timeout):
         for world, mine in results.items():
             by_world.setdefault(world, {})[mine["group_rank"]] = mine
     assert {w: sorted(r) for w, r in by_world.items()} == {w: list(range(w)) for w in WORLDS}

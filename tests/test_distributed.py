@@ -35,7 +35,7 @@ from attention_ref.distributed import (
     spawn,
     unshard,
 )
-from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
+from ranks import WORLDS, run_in_every_group  # tests/ranks.py
 
 B, H, E, EV, N = 2, 6, 5, 7, 24  # N: divisible by 2 * world for every world
 LAYOUTS = ("zigzag", "contiguous")
@@ -183,10 +183,6 @@ def _cases(group, world):
     return mine
 
 
-def _cases_worker(rank, world_size):
-    return in_every_group(rank, world_size, _cases)
-
-
 def _failing_worker(rank, world_size):
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
@@ -199,7 +195,7 @@ def _failing_worker(rank, world_size):
 @pytest.fixture(scope="module")
 def runs():
     """``runs[world]``: the results of the members of the group of ``world`` ranks, by group rank."""
-    return run_in_every_group(_cases_worker)
+    return run_in_every_group(_cases)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -16,7 +16,7 @@ import torch
 from attention_ref import scaled_dot_product_attention
 from attention_ref.distributed import count_communication, ring_attention, shard, ulysses_attention, unshard
 from attention_ref.varlen import varlen_attention
-from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
+from ranks import WORLDS, run_in_every_group  # tests/ranks.py
 
 H, E, EV, N = 12, 5, 7, 24
 CU = [0, 5, 5, 13, 24]
@@ -70,13 +70,9 @@ def _cases(group, world):
     return mine
 
 
-def _worker(rank, world_size):
-    return in_every_group(rank, world_size, _cases)
-
-
 @pytest.fixture(scope="module")
 def runs():
-    return run_in_every_group(_worker)
+    return run_in_every_group(_cases)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].replace(' ', '-')}-{'causal' if c[1] else 'full'}")

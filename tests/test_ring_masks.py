@@ -31,7 +31,7 @@ from attention_ref.distributed import (
 from attention_ref.mods import sliding_window
 from attention_ref.tiled import create_block_mask
 from attention_ref.varlen import varlen_attention
-from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
+from ranks import WORLDS, run_in_every_group  # tests/ranks.py
 
 B, H, HKV, E, EV, N = 2, 4, 2, 5, 7, 48  # N: a multiple of 2 * world for every world
 WINDOWS = [(layout, left) for layout in ("contiguous", "zigzag") for left in (5, 15)]
@@ -129,14 +129,10 @@ def _cases(group, world):
     return mine
 
 
-def _worker(rank, world_size):
-    return in_every_group(rank, world_size, _cases)
-
-
 @pytest.fixture(scope="module")
 def runs():
     """``runs[world][group rank]``: what each member of the group of ``world`` ranks sent back."""
-    return run_in_every_group(_worker, timeout=300)
+    return run_in_every_group(_cases, timeout=300)
 
 
 CASE_KEYS = ([("window", layout, left) for layout, left in WINDOWS]
@@ -278,6 +274,10 @@ def test_the_schedule_asks_for_the_length_where_positions_matter():
         ring_schedule(2, length=6)
     with pytest.raises(TypeError, match=r"mask_mod must be"):
         ring_schedule(2, length=8, mask_mod="window")
+    with pytest.raises(TypeError, match=r"batch must be a tuple of positive ints .*got \[3\]"):
+        ring_schedule(2, length=8, mask_mod=sliding_window(3), batch=[3])
+    with pytest.raises(ValueError, match=r"batch=\(3,\) only matters to a mask_mod"):
+        ring_schedule(2, length=8, batch=(3,))
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -17,7 +17,7 @@ from attention_ref import scaled_dot_product_attention
 from attention_ref.complexity import ulysses_attention_bytes
 from attention_ref.distributed import count_communication, shard, ulysses_attention, unshard
 from attention_ref.mods import sliding_window
-from ranks import WORLDS, in_every_group, run_in_every_group  # tests/ranks.py
+from ranks import WORLDS, run_in_every_group  # tests/ranks.py
 
 B, H, E, EV, N = 2, 12, 5, 7, 24
 # key/value heads per world: cut like the query heads (a multiple of W) or repeated (a divisor of W)
@@ -94,13 +94,9 @@ def _cases(group, world):
     return mine
 
 
-def _worker(rank, world_size):
-    return in_every_group(rank, world_size, _cases)
-
-
 @pytest.fixture(scope="module")
 def runs():
-    return run_in_every_group(_worker)
+    return run_in_every_group(_cases)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].replace(' ', '-')}-{'causal' if c[1] else 'full'}")
