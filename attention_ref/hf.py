@@ -128,6 +128,12 @@ HARMLESS_KEYWORDS: dict[str, str] = {
     "same numbers up to the order of a sum; attention_ref's backward is deterministic anyway",
     "labels": "the loss's targets, threaded through **kwargs by Gemma 4's forward: not read by attention",
     "logits_to_keep": "which positions' logits the model returns (GOT-OCR2 threads it through): not attention's",
+    "second_per_grid_ts": "seconds per temporal patch of each video: Qwen2.5-VL turns it into rotary positions, "
+    "already applied to query and key; no attention function of transformers reads it (LLaVA-OneVision-1.5 "
+    "threads it through **kwargs and reads it nowhere)",
+    "mm_token_type_ids": "which tokens are text, image or video: a model that attends differently within an image "
+    "puts that in the mask first (Gemma 4, Molmo 2), Qwen2.5-VL turns it into rotary positions; no attention "
+    "function of transformers reads it (LLaVA-OneVision-1.5 threads it through **kwargs and reads it nowhere)",
 }
 
 # Keywords that change attention and that this module does not implement: accepted only as None.

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from attention_ref import _inputs
 from attention_ref import MultiHeadAttention, backends, mods, scaled_dot_product_attention
 from attention_ref.backends import CPU_TILED_MIN_LENGTH, select_backend
-from attention_ref.conformance.adapter import version_tuple
 
 RUNNABLE = ("math", "tiled", "sdpa", "auto")
 
@@ -196,16 +195,18 @@ def test_sdpa_passes_grouped_heads_without_copying(torch_sdpa_calls, device):
 @pytest.mark.cpu_only("torch's choice of CPU kernel")
 @pytest.mark.skipif(not hasattr(torch, "_fused_sdp_choice"), reason="torch._fused_sdp_choice not available")
 def test_sdpa_on_3d_cpu_inputs_reaches_torchs_flash_kernel(torch_sdpa_calls):
+    # Why the backend makes inputs 4-D: given 3-D inputs, torch's CPU SDPA may take its math kernel (an
+    # (L, S) matrix; torch 2.13 does) or flash (later releases may). Probed, not dated: whichever torch
+    # picks for the 3-D inputs themselves, the inputs ours hands over reach flash.
     q = torch.randn(3, 64, 16)
+    untranslated = torch.nn.attention.SDPBackend(torch._fused_sdp_choice(q, q, q)).name
     scaled_dot_product_attention(q, q, q, backend="sdpa")
     call = torch_sdpa_calls[0]
-    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-    assert torch._fused_sdp_choice(call["q"], call["k"], call["v"], attn_mask=call["attn_mask"]) == flash
-    # Why the backend makes inputs 4-D: given 3-D inputs, torch 2.13's CPU SDPA takes its math
-    # kernel (an (L, S) matrix). torch 2.14 takes them to flash itself; either way ours gets flash.
-    untranslated = torch._fused_sdp_choice(q, q, q)
-    if version_tuple(torch.__version__) < (2, 14):
-        assert untranslated != flash
+    ours = torch.nn.attention.SDPBackend(
+        torch._fused_sdp_choice(call["q"], call["k"], call["v"], attn_mask=call["attn_mask"])).name
+    assert call["q"].dim() == 4 and ours == "FLASH_ATTENTION", (
+        f"torch {torch.__version__} picks {ours} for the inputs backend='sdpa' hands over "
+        f"{tuple(call['q'].shape)}, and {untranslated} for the 3-D inputs {tuple(q.shape)} themselves")
 
 
 def test_sdpa_fully_masked_fix_up_path(device):

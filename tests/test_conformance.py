@@ -1,9 +1,10 @@
 """`attention_ref.conformance`: the case matrix, the adapter protocol, the reports, the pytest plugin.
 
 Every shipped adapter runs the quick matrix here and must agree with the reference
-on every case it supports, except the known bugs, each pinned to the library
-version it was seen in (a strict expectation: a bug that stops showing fails the
-test, so the entry goes when upstream fixes it). Adapters with planted bugs (a
+on every case it supports, except the known bugs, each carrying a small repro run
+against the installed library: expected to fail while the repro reproduces,
+whatever the version, and judged plainly once it stops (a stand-in library with a
+planted bug, switched on and off, holds the rule to both). Adapters with planted bugs (a
 wrong scale, an ignored mask, GQA heads in the wrong order, the other causal
 alignment, an inverted boolean mask, a forgotten transpose) must be reported on
 exactly the cases that exercise the bug. ``torch.compile`` on CPU takes minutes:
@@ -13,6 +14,7 @@ the compiled FlexAttention adapters run only with ``ATTENTION_REF_SLOW_TESTS=1``
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import re
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 
 from attention_ref import conformance
 from attention_ref.conformance import Adapter, KnownFailure, shipped
-from attention_ref.conformance.adapter import version_tuple
+from attention_ref.conformance import adapter as adapter_module
+from attention_ref.conformance.runner import expected_failure
 from attention_ref.conformance.cases import FEATURES, SCENARIOS, by_id, matrix
 
 
@@ -124,14 +127,59 @@ def test_shipped_adapter_agrees_with_the_reference_except_its_known_bugs(name):
     assert report.counts()["passed"] >= at_least, report.summary()
 
 
-def test_known_bugs_are_pinned_to_a_version_and_say_why():
+def test_known_bugs_carry_a_repro_and_say_why():
+    pytest.importorskip("transformers")
     flex = shipped.hf_flex()
-    case = by_id("float_mask_per_head-float32-fwd-small")
-    known = flex.known_failure(case)
-    assert known.library == "transformers" and known.seen_in == ("5.23.0", "5.24.0")
-    assert known.describe().endswith("(seen in transformers 5.23.0 and 5.24.0)")
+    known = flex.known_failure(by_id("float_mask_per_head-float32-fwd-small"))
+    assert known.library == "transformers" and known.first_seen == "5.23.0"
     assert "head 0's float mask to every head" in known.describe()
+    assert known.describe().endswith("(transformers, first seen in 5.23.0)")
     assert flex.known_failure(by_id("float_mask-float32-fwd-small")) is None  # (B, 1, L, S): no bug
+    # both bugs reproduce with the transformers installed here (the pinned release and the newest)
+    assert [k.expected() for k in flex.known_failures] == [True, True]
+
+
+@pytest.mark.parametrize("version", ["9.99.0", "5.22.0"])
+def test_the_shipped_flex_bugs_are_expected_in_any_release_that_still_has_them(version, monkeypatch):
+    """The repros decide, not the version: the transformers installed here, reported as a release the
+    entries never saw, still shows both bugs, so its float-mask cases stay expected failures."""
+    transformers = pytest.importorskip("transformers")
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "transformers" else real(name))
+    monkeypatch.setattr(transformers, "__version__", version)
+    monkeypatch.setattr(adapter_module, "_REPRO_RESULTS", {})  # run the repros again, under this version
+    report = conformance.run(shipped.hf_flex(), select=sorted(HF_FLEX))
+    assert [r.status for r in report.results] == ["xfailed", "xfailed"] and report.ok, str(report)
+    assert all(f"its repro reproduces with transformers {version}\n" in r.detail for r in report.results)
+    assert f"transformers {version} flex_attention_forward" in report.description
+
+
+def test_the_shipped_flex_repros_see_a_fix_and_cannot_tell_a_different_answer(monkeypatch):
+    """Each shipped repro says False once transformers is fixed (here: a flex_attention_forward that adds the
+    mask broadcast as it should), and cannot tell when transformers gives an answer neither right nor the bug's."""
+    pytest.importorskip("transformers")
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as hf_flex_module
+
+    def fixed(module, query, key, value, attention_mask, **kwargs):
+        full = attention_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (B, H, L, S)
+        out = flex_attention(query, key, value, score_mod=lambda score, b, h, q, kv: score + full[b, h, q, kv])
+        return out.transpose(1, 2), None  # (B, L, H, E), as transformers returns it
+
+    def zeros(module, query, key, value, attention_mask, **kwargs):
+        return torch.zeros_like(query).transpose(1, 2), None
+
+    for forward, expected in [(fixed, [False, False]), (zeros, [conformance.ReproError] * 2)]:
+        monkeypatch.setattr(hf_flex_module, "flex_attention_forward", forward)
+        monkeypatch.setattr(adapter_module, "_REPRO_RESULTS", {})
+        answers = []
+        for known in shipped.hf_flex().known_failures:
+            try:
+                answers.append(known.expected())
+            except conformance.ReproError as error:
+                assert "transformers gives neither the right output nor the bug's" in str(error)
+                answers.append(type(error))
+        assert answers == expected, forward.__name__
 
 
 def test_unsupported_features_are_skipped_with_the_reason():
@@ -272,51 +320,166 @@ def test_a_kernel_that_raises_is_an_error_not_a_crash():
     assert [(r.status, r.detail) for r in report.results] == [("error", "RuntimeError: kernel launch failed")]
 
 
-# ---- known failures: pinned to a version ---------------------------------------------------------------
+# ---- known failures: expected while their repro reproduces ----------------------------------------------
 
 
-def _sdpa_math_with(known: KnownFailure) -> Adapter:
-    base = shipped.torch_sdpa_math()
-    return Adapter("pinned", base.call, supports=base.supports, known_failures=(known,))
+class StandInLibrary:
+    """A library with a planted bug, switched on and off: while ``fixed`` is False, a float mask reaches
+    every head as head 0's (transformers' flex bug, in miniature). ``calls`` counts the runs of its repro."""
+
+    def __init__(self):
+        self.fixed = False
+        self.calls = 0
+
+    def attention(self, q, k, v, mask=None, scale=None):
+        if not self.fixed and mask is not None and mask.dtype != torch.bool:
+            mask = mask[:, :1]  # (B, 1, L, S): head 0's mask on every head, the planted bug
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    def call(self, p):
+        """The adapter's call: the case's problem through the library."""
+        return self.attention(p.query, p.key, p.value, p.attn_mask, p.scale)
+
+    def repro(self) -> bool:
+        """True while a mask that hides key 0 from head 1 only does not reach head 1."""
+        self.calls += 1
+        q, k, v = (torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        mask = torch.zeros(1, 2, 3, 3)  # (B, H, L, S)
+        mask[0, 1, :, 0] = float("-inf")
+        right = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return not torch.allclose(self.attention(q, k, v, mask), right)
 
 
-def test_a_known_failure_that_passes_is_reported_as_fixed_upstream():
-    known = KnownFailure("imaginary bug", "torch", "99.0", frozenset({"plain"}))
-    report = conformance.run(_sdpa_math_with(known), select=["plain-float32-fwd-small"])
-    assert report.results[0].status == "xpassed" and not report.ok
-    assert report.results[0].detail == ("a known failure did not show (fixed upstream?): "
-                                        "imaginary bug (seen in torch 99.0)")
+PER_HEAD = ["float_mask_per_head-float32-fwd-small", "float_mask_per_head-float32-bwd-small"]
+PLAIN = "plain-float32-fwd-small"
+MASK_BUG = "float masks reach every head as head 0's (torch, first seen in 2.9.0)"
 
 
-def test_a_known_failure_of_an_older_version_is_judged_plainly_again():
-    known = KnownFailure("old bug", "torch", "1.0", frozenset({"plain"}))
-    assert not known.expected()  # torch here is newer than 1.0: the expectation is dropped
-    report = conformance.run(_sdpa_math_with(known), select=["plain-float32-fwd-small"])
-    assert report.results[0].status == "passed"
-
-    def wrong(p):
-        return _sdpa(p) * 1.5
-
-    adapter = Adapter("still broken", wrong, known_failures=(known,))
-    (result,) = conformance.run(adapter, select=["plain-float32-fwd-small"]).results
-    assert result.status == "failed"
-    assert "a known failure of old bug (seen in torch 1.0) no longer expected in this version" in result.detail
-    assert f"add torch {torch.__version__} to its seen_in" in result.detail
+@pytest.fixture
+def library(monkeypatch):
+    monkeypatch.setattr(adapter_module, "_REPRO_RESULTS", {})  # every test runs its repros afresh
+    return StandInLibrary()
 
 
-def test_a_known_failure_is_expected_up_to_the_newest_version_it_was_seen_in():
-    major = version_tuple(torch.__version__)[0]
-    older, newer = f"{major - 1}.0.0", f"{major + 1}.0.0"
-    for seen, expected in [((older,), False), ((newer, older), True), (("1.0", older), False)]:
-        known = KnownFailure("a bug", "torch", seen, frozenset({"plain"}))
-        assert known.expected() is expected, seen
-    known = KnownFailure("a bug", "torch", ("2.14.1", "2.9.0", "2.13.0"), frozenset({"plain"}))
-    assert known.seen_in == ("2.9.0", "2.13.0", "2.14.1") and known.newest_seen == "2.14.1"
-    assert known.describe() == "a bug (seen in torch 2.9.0, 2.13.0 and 2.14.1)"
-    with pytest.raises(ValueError, match="seen_in must name at least one version, got"):
-        KnownFailure("a bug", "torch", (), frozenset())
+def _through(library, known, call=None):
+    """An adapter whose kernel calls the stand-in library (or ``call``), with ``known`` as its known bug."""
+    return Adapter("through-the-library", call or library.call, supports={"float_mask", "scale", "backward"},
+                   known_failures=(known,))
+
+
+def _mask_bug(library, repro=None):
+    return KnownFailure("float masks reach every head as head 0's", "torch", frozenset({"float_mask_per_head"}),
+                        repro or library.repro, first_seen="2.9.0")
+
+
+def test_a_known_failure_is_expected_while_its_repro_reproduces(library):
+    report = conformance.run(_through(library, _mask_bug(library)), select=[*PER_HEAD, PLAIN])
+    statuses = {r.id: r.status for r in report.results}
+    assert statuses == {**dict.fromkeys(PER_HEAD, "xfailed"), PLAIN: "passed"} and report.ok, str(report)
+    detail = next(r.detail for r in report.results if r.id == PER_HEAD[0])
+    assert detail.startswith(f"{MASK_BUG}; its repro reproduces with torch {torch.__version__}\n"), detail
+    assert library.calls == 1  # once per process, not once per case
+    conformance.run(_through(library, _mask_bug(library)), select=PER_HEAD)  # a new adapter, the same repro
+    assert library.calls == 1
+
+
+def test_a_known_failure_whose_repro_stops_reproducing_is_judged_plainly_and_said_fixed(library):
+    library.fixed = True  # the next release fixes it
+    report = conformance.run(_through(library, _mask_bug(library)), select=[*PER_HEAD, PLAIN])
+    assert [r.status for r in report.results] == ["passed"] * 3 and report.ok, str(report)
+    fixed = (f"the known failure {MASK_BUG} no longer reproduces with torch {torch.__version__}: fixed upstream, "
+             "it appears; the entry can go")
+    assert {r.id: r.detail for r in report.results} == {**dict.fromkeys(PER_HEAD, fixed), PLAIN: ""}
+    assert f"note, {PER_HEAD[0]}: {fixed}" in str(report)
+
+    def still_wrong(p):  # the kernel has the bug itself, whatever the library does
+        mask = p.attn_mask[:, :1] if p.attn_mask is not None and p.attn_mask.dtype != torch.bool else p.attn_mask
+        return F.scaled_dot_product_attention(p.query, p.key, p.value, attn_mask=mask, scale=p.scale)
+
+    report = conformance.run(_through(library, _mask_bug(library), still_wrong), select=[*PER_HEAD, PLAIN])
+    statuses = {r.id: r.status for r in report.results}
+    assert statuses == {**dict.fromkeys(PER_HEAD, "failed"), PLAIN: "passed"} and not report.ok, str(report)
+    note = (f"\n  note: the known failure {MASK_BUG} no longer reproduces with torch {torch.__version__} (fixed "
+            "upstream, it appears), so this failure is not that bug, or its repro misses it")
+    assert all(note in r.detail for r in report.results if r.id in PER_HEAD), str(report)
+    with pytest.raises(AssertionError, match=r"no longer reproduces with torch .* so this failure is not that bug"):
+        conformance.check(_through(library, _mask_bug(library), still_wrong), by_id(PER_HEAD[0]))
+
+
+def test_a_case_that_passes_while_its_repro_still_reproduces_is_reported(library):
+    """The repro says the library has the bug, yet the case passed: the entry (or the adapter) needs a look."""
+    right = shipped.torch_sdpa_math().call
+    (result,) = conformance.run(_through(library, _mask_bug(library), right), select=PER_HEAD[:1]).results
+    assert result.status == "xpassed"
+    assert result.detail == (f"a known failure did not show, though its repro still reproduces with torch "
+                             f"{torch.__version__}: {MASK_BUG} (does the entry apply to this case?)")
+
+
+def test_a_repro_that_cannot_tell_is_an_error_naming_the_entry_whatever_the_kernel_did(library):
+    def renamed_upstream():
+        raise AttributeError("module 'library' has no attribute 'attention'")
+
+    right = shipped.torch_sdpa_math().call
+    for call, outcome in [(right, "the kernel, judged plainly, agreed with the reference"),
+                          (library.call, "the kernel, judged plainly: AssertionError: ")]:
+        (result,) = conformance.run(_through(library, _mask_bug(library, renamed_upstream), call),
+                                    select=PER_HEAD[:1]).results
+        assert result.status == "error", result
+        assert result.detail.startswith(
+            f"ReproError: cannot tell whether the known failure {MASK_BUG} still shows: its repro "
+            "test_a_repro_that_cannot_tell_is_an_error_naming_the_entry_whatever_the_kernel_did.<locals>."
+            "renamed_upstream() raised AttributeError: module 'library' has no attribute 'attention'\n  "
+            + outcome), result.detail
+    known = _mask_bug(library, lambda: None)  # forgot to return
+    with pytest.raises(conformance.ReproError, match=r"its repro .*<lambda>\(\) must return True or False, got "
+                                                     r"NoneType None"):
+        known.expected()
+    with pytest.raises(conformance.ReproError, match="must return True or False"):  # kept: raised again
+        known.expected()
+    assert expected_failure(_through(library, known), by_id(PER_HEAD[0])) is None  # not excused
+
+
+def test_the_pytest_plugin_expects_a_bug_only_while_its_repro_reproduces(tmp_path):
+    (tmp_path / "kernels_with_bugs.py").write_text(textwrap.dedent("""
+        import torch.nn.functional as F
+        from attention_ref.conformance import Adapter, KnownFailure
+
+        def call(p):  # head 0's float mask on every head: the bug of the library underneath
+            mask = p.attn_mask
+            if mask is not None and mask.dtype.is_floating_point:
+                mask = mask[:, :1]
+            return F.scaled_dot_product_attention(p.query, p.key, p.value, attn_mask=mask, scale=p.scale)
+
+        def broken_repro():
+            raise ImportError("cannot import name 'attention' from 'library'")
+
+        bugs = (KnownFailure("head 0's mask", "torch", frozenset({"float_mask_per_head"}), lambda: True),
+                KnownFailure("batch 1 masks", "torch", frozenset({"float_mask_batch1"}), lambda: False),
+                KnownFailure("plain attention", "torch", frozenset({"plain"}), broken_repro))
+        adapter = Adapter("with-bugs", call, supports={"float_mask", "scale"}, known_failures=bugs)
+    """))
+    selected = "float32-fwd-small and (float_mask_per_head or float_mask_batch1 or plain)"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "attention_ref.conformance",
+               "--attention-impl=kernels_with_bugs:adapter", "-k", selected, "-rfxX", "-q"]
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert re.search(r"\b1 failed, 1 passed, \d+ deselected, 1 xfailed\b", out), out
+    assert re.search(r"XFAIL .*float_mask_per_head-float32-fwd-small.* - head 0's mask \(torch\); its repro "
+                     r"reproduces with torch", out), out
+    assert "FAILED test_suite.py::test_case[plain-float32-fwd-small]" in out, out
+    assert ("ReproError: cannot tell whether the known failure plain attention (torch) still shows: its repro "
+            "broken_repro() raised ImportError: cannot import name 'attention' from 'library'") in out, out
+
+
+def test_a_known_failure_needs_a_repro_and_a_version_number():
+    with pytest.raises(TypeError, match=r"KnownFailure 'a bug': repro must be a function repro\(\) -> bool, got "
+                                        r"frozenset frozenset\(\)"):
+        KnownFailure("a bug", "torch", "2.13.0", frozenset())  # the old signature: seen_in, then applies
     with pytest.raises(ValueError, match="not a version number: 'latest'"):
-        KnownFailure("a bug", "torch", ("2.13.0", "latest"), frozenset())
+        KnownFailure("a bug", "torch", frozenset(), lambda: True, first_seen="latest")
+    assert KnownFailure("a bug", "torch", frozenset(), lambda: True).describe() == "a bug (torch)"
 
 
 # ---- the protocol's errors ---------------------------------------------------------------------------------

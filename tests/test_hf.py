@@ -374,6 +374,15 @@ def test_minilm_layers_equal_eager():
         torch.testing.assert_close(w.permute(0, 2, 1, 3)[real], e.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=1e-4)
 
 
+def test_from_pretrained_swaps_in_no_hub_kernels(tmp_path):
+    """transformers 5.25 turned Hub kernels on by default in ``from_pretrained``: a loaded model's layers may run a
+    kernel from the Hub in place of the code eager runs, and a comparison would test that kernel. tests/conftest.py
+    sets ``USE_HUB_KERNELS=NO``: a model loaded in the tests is not kernelized (5.23 never does it by default)."""
+    _tiny("llama").save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert not loaded.use_kernels
+
+
 def test_modernbert_equals_eager():
     """ModernBERT passes ``deterministic=`` (FlashAttention's backward flag): accepted, and the masked LM's
     logits equal eager's, padding included (its local layers' window comes in the mask)."""

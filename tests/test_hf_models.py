@@ -22,6 +22,14 @@ where the causal rule suffices), the other path through the adapter. What each m
 ``test_every_decoder_equals_eager_or_refuses`` builds every causal LM of transformers from its
 default config with the sizes shrunk, and asserts that each one that calls ``AttentionInterface``
 either equals eager or raises: never a silent difference (about 10 s for some 190 architectures).
+None counts as compared whose logits stay put with every attention output negated, and none is
+dropped: one it does not build must be built by tests/test_hf_sweep.py (a composite's text, or
+its ``NOT_BUILT`` config) or named there with the reason.
+
+Two models of the image-text-to-text mapping, which no sweep builds, are compared on their own
+where the installed transformers has them (5.25 on): LLaVA-OneVision-1.5, whose keywords
+``second_per_grid_ts`` and ``mm_token_type_ids`` reach every attention call, and PI0.5, whose
+attention can move its output only once the gates transformers initialises to zero are random.
 """
 
 from __future__ import annotations
@@ -346,50 +354,74 @@ def _decoders():
 
 
 class _Counting:
-    """attention_ref.hf's function, counting its calls: a model that never calls it does not route through it."""
+    """attention_ref.hf's function, counting its calls: a model that never calls it does not route through it.
 
-    def __init__(self):
+    With `negate` set it returns every attention output negated. A model whose logits do not move then discards
+    what attention computes (an output projection or gate initialised to zero): it equals eager whatever attention
+    computes, and its comparison proves nothing.
+    """
+
+    def __init__(self, negate: bool = False):
         self.calls = 0
+        self.negate = negate
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        return hf.attention_forward(*args, **kwargs)
+        output, weights = hf.attention_forward(*args, **kwargs)
+        return (-output if self.negate else output), weights
+
+
+NEGATED = "attention_ref_negated"  # attention_ref.hf with every attention output negated, eager's masks
+transformers.AttentionInterface.register(NEGATED, _Counting(negate=True))
+transformers.AttentionMaskInterface.register(NEGATED, transformers.AttentionMaskInterface()[NAME])
+MOVES = 1e-3  # the least gap from eager that negating attention must leave: below it, attention is not compared
 
 
 def _sweep_one(model_type: str, class_name: str, counting: _Counting, name: str) -> tuple[str, str]:
     """``(outcome, detail)``: ``equal``, ``refused`` (NotImplementedError), ``error`` (another exception of
-    ours), ``differs`` (the silent failure), or why it was not compared: ``skipped``, ``no attention``."""
+    ours), ``differs`` (the silent failure), or why it was not compared: ``composite`` (tests/test_hf_sweep.py
+    sweeps its text), ``skipped`` (not built), ``no attention``, ``insensitive`` (equal, and equal too with every
+    attention output negated)."""
     try:
         config = _tiny_config(model_type)
+    except LookupError as error:
+        return "composite", str(error)
+    except Exception as error:  # a tiny config that does not validate
+        return "skipped", f"not built: {type(error).__name__}: {str(error)[:120]}"
+    try:
         with torch.device("meta"):
             size = sum(p.numel() for p in getattr(transformers, class_name)(config).parameters())
         if size > 5e7:
             return "skipped", f"{size / 1e6:.0f}M parameters with the shrunk config"
         torch.manual_seed(0)
         model = _sharpen(getattr(transformers, class_name)(config)).eval()
-        ids, mask = _batch(True)
-        eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
+        cases = [(padded, *_batch(padded)) for padded in (True, False)]
+        eagers = [_logits(model, "eager", input_ids=ids, attention_mask=mask) for _, ids, mask in cases]
     except Exception as error:  # a tiny config this architecture does not accept, or eager itself fails
         return "skipped", f"not built: {type(error).__name__}: {str(error)[:120]}"
     counting.calls = 0
     try:
-        gaps = []
-        for padded in (True, False):
-            ids, mask = _batch(padded)
-            eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
-            ours = _logits(model, name, input_ids=ids, attention_mask=mask if padded else None)
-            gaps.append(_gap(ours, eager, mask.bool()))
+        gaps = [_gap(_logits(model, name, input_ids=ids, attention_mask=mask if padded else None), eager, mask.bool())
+                for (padded, ids, mask), eager in zip(cases, eagers)]
     except NotImplementedError as error:
         return "refused", str(error)[:200]
     except Exception as error:
         return "error", f"{type(error).__name__}: {str(error)[:200]}"
     if counting.calls == 0:
         return "no attention", "never calls AttentionInterface"
+    _, ids, mask = cases[0]
+    moved = _gap(_logits(model, NEGATED, input_ids=ids, attention_mask=mask), eagers[0], mask.bool())
+    if not moved > MOVES:
+        return "insensitive", f"gap {max(gaps):.1e}, and {moved:.1e} with every attention output negated"
     return ("equal" if max(gaps) < 1e-5 else "differs"), f"gap {max(gaps):.1e}"
 
 
 def test_every_decoder_equals_eager_or_refuses():
-    """Every causal LM of transformers: equal to eager, or an error. Never a silent difference."""
+    """Every causal LM of transformers: equal to eager, or an error. Never a silent difference, and none dropped:
+    each one this sweep does not build is built by tests/test_hf_sweep.py (a composite's text, or with the config
+    of its `NOT_BUILT`) or named there with the reason (`EXCLUDED`)."""
+    from test_hf_sweep import EXCLUDED, NOT_BUILT  # imports this module: imported here, once both are loaded
+
     counting = _Counting()
     name = "attention_ref_counting"
     transformers.AttentionInterface.register(name, counting)
@@ -402,15 +434,26 @@ def test_every_decoder_equals_eager_or_refuses():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # transformers' deprecation notices while building old architectures
             for model_type, class_name in sorted(_decoders().items()):
-                outcomes[model_type] = _sweep_one(model_type, class_name, counting, name)
+                if model_type in NOT_BUILT or model_type in EXCLUDED:
+                    outcomes[model_type] = ("elsewhere", "tests/test_hf_sweep.py: "
+                                            + ("NOT_BUILT" if model_type in NOT_BUILT else EXCLUDED[model_type]))
+                else:
+                    outcomes[model_type] = _sweep_one(model_type, class_name, counting, name)
     finally:
         torch.set_num_threads(threads)
     for model_type, (outcome, detail) in outcomes.items():
         print(f"{model_type:28} {outcome:13} {detail}")
     counts = {o: sum(1 for v in outcomes.values() if v[0] == o) for o in {v[0] for v in outcomes.values()}}
     print(counts, f"{time.perf_counter() - start:.0f} s")
-    differs = {m: d for m, (o, d) in outcomes.items() if o == "differs"}
-    assert not differs, f"silently different from eager: {differs}"
+
+    def of(kind):
+        return {m: d for m, (o, d) in outcomes.items() if o == kind}
+
+    assert not of("differs"), f"silently different from eager: {of('differs')}"
+    assert not of("error"), f"errors on attention_ref's path only: {of('error')}"
+    assert not of("insensitive"), f"equal whatever attention computes, so not compared: {of('insensitive')}"
+    assert not of("skipped"), ("not built here, and not in tests/test_hf_sweep.py's NOT_BUILT (with the config that "
+                               f"builds it) or EXCLUDED (with the reason): {of('skipped')}")
     assert counts.get("equal", 0) >= 100  # the sweep compared most of them, it did not skip its way to a pass
 
 
@@ -433,3 +476,84 @@ def test_deepseek_v32_top_k_keys_equal_eager():
     ids, mask = _batch(True)
     eager = _logits(model, "eager", input_ids=ids, attention_mask=mask)
     assert _gap(_logits(model, NAME, input_ids=ids, attention_mask=mask), eager, mask.bool()) < 1e-5
+
+
+# --- models of the image-text-to-text mapping that no sweep builds (transformers 5.25 on) -------------------------
+
+
+def _offered(model_type: str):
+    """Skip where the installed transformers has no ``model_type`` (a release before it came)."""
+    return pytest.mark.skipif(model_type not in transformers.CONFIG_MAPPING,
+                              reason=f"transformers {transformers.__version__} has no {model_type}")
+
+
+IMAGE = VOCAB - 1  # the image token of the multimodal models below; the text ids stay below VOCAB - 4
+
+
+def _with_images(padded: bool, first: int = 6):
+    """`_batch` with 4 image tokens in each row from ``first`` (after the 4 of left padding)."""
+    ids, mask = _batch(padded)
+    ids = ids.clamp(max=VOCAB - 5)
+    ids[:, first:first + 4] = IMAGE
+    return ids, mask
+
+
+@_offered("llava_onevision1_5")
+def test_llava_onevision_1_5_equals_eager_with_its_multimodal_keywords():
+    """LLaVA-OneVision-1.5 threads ``second_per_grid_ts`` and ``mm_token_type_ids`` into every attention call, the
+    vision tower's and the text model's (``None`` unless given): refused as unknown before. It reads them nowhere,
+    so eager's logits are the same given or not (`hf.HARMLESS_KEYWORDS`); ours equal eager's with an image in each
+    row, given or not, and move when attention is negated."""
+    config = _tiny(transformers.CONFIG_MAPPING["llava_onevision1_5"], image_token_id=IMAGE,
+                   video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4,
+                   vision_config=dict(out_hidden_size=64, depth=2, patch_size=2))
+    torch.manual_seed(0)
+    model = _sharpen(transformers.LlavaOnevision15ForConditionalGeneration(config)).eval()
+    # an image of 4 x 4 patches of 2 x 2 pixels per row, merged 2 x 2 into its 4 tokens: (32, 3 * 2 * 2)
+    images = dict(pixel_values=torch.randn(2 * 16, 12, generator=torch.Generator().manual_seed(4)),
+                  image_grid_thw=torch.tensor([[1, 4, 4]] * 2))
+    for padded in (True, False):
+        ids, mask = _with_images(padded)
+        given = dict(mm_token_type_ids=(ids == IMAGE).long(), second_per_grid_ts=torch.tensor([2.0]))
+        eager = _logits(model, "eager", input_ids=ids, attention_mask=mask, **images)
+        assert torch.equal(_logits(model, "eager", input_ids=ids, attention_mask=mask, **images, **given), eager)
+        for extra in ({}, given):
+            ours = _logits(model, NAME, input_ids=ids, attention_mask=mask if padded else None, **images, **extra)
+            assert _gap(ours, eager, mask.bool()) < 1e-5
+    negated = _logits(model, NEGATED, input_ids=ids, attention_mask=mask, **images)
+    assert _gap(negated, eager, mask.bool()) > MOVES
+
+
+@_offered("pi05")
+def test_pi05_equals_eager_once_its_attention_can_move_the_output():
+    """PI0.5's action expert adds each attention output through a gate computed from the timestep by
+    ``PI05AdaptiveRMSNorm.dense``, which transformers initialises to zero: as initialised, no attention (the
+    expert's, or the VLM's whose keys and values it reads) can move the predicted velocity, and a comparison
+    proves nothing. With those weights random it moves, and ours equals eager's, padded or not. Each case gives
+    both the same mask: PI0.5 positions its tokens differently without a mask than with an all-ones one (eager's
+    own velocities differ, by 3e-3 measured on 5.25)."""
+    from transformers.models.pi05.modeling_pi05 import PI05AdaptiveRMSNorm
+
+    config = _tiny(transformers.CONFIG_MAPPING["pi05"], chunk_size=4, max_action_dim=8,
+                   vlm_config=dict(image_token_id=IMAGE, projection_dim=64,
+                                   vision_config=dict(image_size=8, patch_size=4)))  # 4 tokens per image
+    torch.manual_seed(0)
+    model = transformers.PI05ForConditionalGeneration(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, PI05AdaptiveRMSNorm):
+                module.dense.weight.normal_(0.0, 0.1)
+    model = _sharpen(model).eval()
+    generator = torch.Generator().manual_seed(4)
+    # one camera per row, a chunk of 4 noisy actions of 8 values
+    fixed = dict(pixel_values=torch.randn(2, 1, 3, 8, 8, generator=generator),
+                 pixel_attention_mask=torch.ones(2, 1, dtype=torch.bool),
+                 noise=torch.randn(2, 4, 8, generator=generator), timestep=torch.tensor([0.3, 0.8]))
+    every_action = torch.ones(2, 4, dtype=torch.bool)
+    for padded, masked in ((True, True), (False, True), (False, False)):
+        ids, mask = _with_images(padded, first=4)
+        inputs = dict(input_ids=ids, attention_mask=mask if masked else None, **fixed)
+        eager = _logits(model, "eager", **inputs)
+        assert _gap(_logits(model, NAME, **inputs), eager, every_action) < 1e-5
+    negated = _logits(model, NEGATED, **inputs)
+    assert _gap(negated, eager, every_action) > MOVES

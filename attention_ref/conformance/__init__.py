@@ -29,7 +29,7 @@ The adapters shipped with the package are in `attention_ref.conformance.shipped`
 
 from __future__ import annotations
 
-from attention_ref.conformance.adapter import Adapter, KnownFailure, Unsupported, load_adapter
+from attention_ref.conformance.adapter import Adapter, KnownFailure, ReproError, Unsupported, load_adapter
 from attention_ref.conformance.cases import FEATURES, SCENARIOS, Case, Problem, by_id, matrix
 from attention_ref.conformance.report import CaseResult, Report, agreement_matrix
 from attention_ref.conformance.runner import check, run
@@ -43,6 +43,7 @@ __all__ = [
     "KnownFailure",
     "Problem",
     "Report",
+    "ReproError",
     "Unsupported",
     "agreement_matrix",
     "by_id",

@@ -11,8 +11,10 @@ in the adapter's layout and its arguments) and returns the attention output::
 
 The suite runs every case whose features the adapter supports, in the dtypes it
 lists, and skips the others with the reason. Known bugs are `KnownFailure`
-entries: the case is expected to fail while the named library is at most the
-version the bug was seen in, and the report says so when it passes.
+entries, each with a small repro of the bug run against the installed library:
+the case is expected to fail while the repro reproduces, whatever the version,
+and is judged plainly once it stops (the report then says the bug appears fixed
+upstream).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 
 from attention_ref.conformance.cases import DTYPES, FEATURES, LAYOUTS, Case, Problem
 
-__all__ = ["Adapter", "KnownFailure", "Unsupported", "load_adapter", "version_tuple"]
+__all__ = ["Adapter", "KnownFailure", "ReproError", "Unsupported", "forget_repro_results", "load_adapter",
+           "version_tuple"]
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -62,49 +65,93 @@ class Unsupported(Exception):
     """
 
 
+class ReproError(RuntimeError):
+    """A known failure's repro raised, or returned something other than a bool: whether its bug
+    still shows cannot be told.
+
+    The case is not expected to fail then, and `attention_ref.conformance.check` raises this
+    error for it, naming the entry (the kernel's own outcome in the message): in a report the
+    case is an ``error``, under pytest a failed test. A repro that cannot run is a problem to
+    fix, never a reason to pass or to excuse a case.
+    """
+
+
+# Each repro's answer, run once per process: ``repro -> (repro, True | False | the ReproError it gave)``, keyed
+# by the repro itself (equal bound methods share an answer), or by its id when it is not hashable (the repro is
+# kept beside its answer, so that id is not reused).
+_REPRO_RESULTS: dict[object, tuple[Callable[[], bool], bool | ReproError]] = {}
+
+
+def _repro_key(repro: Callable[[], bool]) -> object:
+    try:
+        hash(repro)
+    except TypeError:
+        return ("id", id(repro))
+    return repro
+
+
+def forget_repro_results() -> None:
+    """Forget every repro's cached answer, so that the next `KnownFailure.expected` runs it again
+    (after changing what is installed in this process, say)."""
+    _REPRO_RESULTS.clear()
+
+
 @dataclass(frozen=True)
 class KnownFailure:
-    """A bug found in a library: the cases it breaks, keyed by the versions it was seen in.
+    """A bug found in a library: the cases it breaks, and a small repro that says whether it still shows.
+
+    The case is expected to fail while ``repro()`` returns True against the library
+    installed here, whatever its version: a release that ships the same bug again
+    stays green, and a release that fixes it is judged plainly (a right kernel
+    passes, and the report says the bug appears fixed upstream and the entry can go;
+    a kernel that still fails names this entry and says its repro no longer
+    reproduces, so the failure is something else). The repro runs once per process.
 
     Attributes:
         reason: what is wrong, in one sentence.
-        library: the distribution the bug is in (``"transformers"``, ``"torch"``).
-        seen_in: the version it was seen in, or the versions (each one checked):
-            ``("5.23.0", "5.24.0")``. The failure is expected while the installed
-            version is at most the newest of them; in a later version the case is
-            judged plainly again (it passes once fixed; a failure names this entry,
-            and once the bug is confirmed there its version joins ``seen_in``).
+        library: the distribution the bug is in (``"transformers"``, ``"torch"``):
+            the reports name its installed version.
         applies: which cases it breaks: a predicate on `Case`, or a set of case ids
             and scenario names (a scenario name: every dtype and direction of it).
+        repro: ``repro() -> bool``: a minimal reproduction run against the installed
+            library, True while the bug shows (an error the bug itself raises counts as
+            showing: catch it inside). A repro that raises anything else, or returns
+            something other than a bool, cannot tell: see `ReproError`.
+        first_seen: the version the bug was first seen in (``"5.23.0"``), for the
+            reader and the reports; it does not decide whether the failure is expected.
         dtypes: only in these dtypes (``None``: all).
         backward_only: only the bwd cases.
 
     Raises:
-        ValueError: ``seen_in`` empty, or not version numbers.
+        TypeError: ``repro`` is not callable.
+        ValueError: ``first_seen`` is not a version number.
+
+    Example:
+        >>> def halves_go_to_even() -> bool:  # a minimal call into torch: True while the "bug" shows
+        ...     return torch.tensor(2.5).round().item() == 2.0
+        >>> known = KnownFailure("round() takes 2.5 to 2", "torch", frozenset({"plain"}), halves_go_to_even,
+        ...                      first_seen="2.13.0")
+        >>> known.expected(), known.describe()
+        (True, 'round() takes 2.5 to 2 (torch, first seen in 2.13.0)')
     """
 
     reason: str
     library: str
-    seen_in: str | tuple[str, ...]
     applies: Callable[[Case], bool] | frozenset[str] = field(compare=False)
+    repro: Callable[[], bool] = field(compare=False, repr=False)
+    first_seen: str | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     backward_only: bool = False
 
     def __post_init__(self) -> None:
-        versions = (self.seen_in,) if isinstance(self.seen_in, str) else tuple(self.seen_in)
-        if not versions:
-            raise ValueError(f"KnownFailure {self.reason!r}: seen_in must name at least one version, got ()")
-        for version in versions:
-            version_tuple(version)  # raises, naming it, on what is not a version number
-        object.__setattr__(self, "seen_in", tuple(sorted(versions, key=version_tuple)))
-
-    @property
-    def newest_seen(self) -> str:
-        """The newest version the bug was seen in: it is expected up to this one."""
-        return self.seen_in[-1]
+        if not callable(self.repro):
+            raise TypeError(f"KnownFailure {self.reason!r}: repro must be a function "
+                            f"repro() -> bool, got {type(self.repro).__name__} {self.repro!r}")
+        if self.first_seen is not None:
+            version_tuple(self.first_seen)  # raises, naming it, on what is not a version number
 
     def matches(self, case: Case) -> bool:
-        """Whether this bug is about ``case`` (whatever the installed version)."""
+        """Whether this bug is about ``case`` (whether or not it still shows)."""
         if self.dtypes is not None and case.dtype not in self.dtypes:
             return False
         if self.backward_only and not case.backward:
@@ -118,15 +165,42 @@ class KnownFailure:
         return _installed(self.library)
 
     def expected(self) -> bool:
-        """Whether the installed library is at most the newest ``seen_in`` (so the bug is still expected)."""
-        installed = self.installed()
-        return installed is not None and version_tuple(installed) <= version_tuple(self.newest_seen)
+        """Whether the bug still shows here, so its cases are expected to fail: ``repro()``, run once per process.
+
+        Raises:
+            ReproError: the repro raised, or returned something other than a bool
+                (the answer is cached too: each call raises it again).
+        """
+        key = _repro_key(self.repro)
+        if key not in _REPRO_RESULTS:
+            _REPRO_RESULTS[key] = (self.repro, self._run_repro())
+        _, result = _REPRO_RESULTS[key]
+        if isinstance(result, ReproError):
+            raise ReproError(*result.args) from result.__cause__
+        return result
+
+    def _run_repro(self) -> bool | ReproError:
+        name = getattr(self.repro, "__qualname__", repr(self.repro))
+        cannot_tell = f"cannot tell whether the known failure {self.describe()} still shows"
+        try:
+            answer = self.repro()
+        except Exception as error:  # noqa: BLE001 - any error: the repro cannot tell (the ReproError says so)
+            failure = ReproError(f"{cannot_tell}: its repro {name}() raised {type(error).__name__}: {error}")
+            failure.__cause__ = error
+            return failure
+        if not isinstance(answer, bool):
+            return ReproError(f"{cannot_tell}: its repro {name}() must return True or False, "
+                              f"got {type(answer).__name__} {answer!r}")
+        return answer
+
+    def where(self) -> str:
+        """``"<library> <installed version>"``: what the repro ran against."""
+        return f"{self.library} {self.installed() or '(not installed)'}"
 
     def describe(self) -> str:
-        """``"<reason> (seen in <library> <version>[, <version>] and <version>)"``."""
-        seen = self.seen_in[0] if len(self.seen_in) == 1 else (
-            ", ".join(self.seen_in[:-1]) + " and " + self.seen_in[-1])
-        return f"{self.reason} (seen in {self.library} {seen})"
+        """``"<reason> (<library>, first seen in <version>)"``, or ``"<reason> (<library>)"``."""
+        seen = f", first seen in {self.first_seen}" if self.first_seen is not None else ""
+        return f"{self.reason} ({self.library}{seen})"
 
 
 @dataclass(frozen=True)
@@ -149,7 +223,7 @@ class Adapter:
         output_layout: the layout of what the call returns; defaults to ``layout``
             (transformers' attention functions take ``"bhld"`` and return ``"blhd"``).
         dtypes: the dtypes the kernel takes; the cases in others are skipped.
-        known_failures: bugs found, each pinned to a library version.
+        known_failures: bugs found, each with a repro that says whether it still shows.
         notes: why a feature is not supported, shown as the skip reason.
         description: one line for the report.
 
@@ -198,7 +272,7 @@ class Adapter:
         return None
 
     def known_failure(self, case: Case) -> KnownFailure | None:
-        """The known bug about ``case``, if any (whatever the installed version)."""
+        """The known bug about ``case``, if any (whether or not it still shows)."""
         return next((k for k in self.known_failures if k.matches(case)), None)
 
 

@@ -7,8 +7,9 @@ Registered by the package (``[project.entry-points.pytest11]``), so that
 runs one test per case of the matrix (`attention_ref.conformance.cases.matrix`),
 named by the case's id, so ``-k causal_bottom_right-float16-bwd`` reruns one.
 A case the adapter does not support is skipped with the reason; a known bug
-(`attention_ref.conformance.KnownFailure`) is a strict xfail while the library
-is at the version it was seen in.
+(`attention_ref.conformance.KnownFailure`) is a strict xfail while its repro
+reproduces against the installed library, and an ordinary test once it stops
+(its failure message then says the bug appears fixed upstream).
 
 Options (in the group "attention_ref conformance"):
 

@@ -15,8 +15,11 @@ from dataclasses import asdict, dataclass, field
 __all__ = ["STATUSES", "CaseResult", "Report", "agreement_matrix"]
 
 #: A case's outcome, in pytest's words. ``failed``: the checker rejected the result;
-#: ``error``: the kernel raised; ``xfailed``: a known bug, still there; ``xpassed``: a
-#: known bug that did not show (fixed upstream? then the entry goes).
+#: ``error``: the kernel raised, or a known bug's repro did
+#: (`attention_ref.conformance.ReproError`); ``xfailed``: a known bug, its repro still
+#: reproducing; ``xpassed``: a known bug whose repro still reproduces did not show in the
+#: case (the entry, or the adapter, needs a look). A ``passed`` case with a detail is a
+#: known bug whose repro no longer reproduces: fixed upstream, it appears; the entry can go.
 STATUSES = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")
 _PROBLEMS = ("failed", "error", "xpassed")
 
@@ -71,6 +74,10 @@ class Report:
         """The results that need a look: ``failed``, ``error`` and ``xpassed``."""
         return [r for r in self.results if r.status in _PROBLEMS]
 
+    def notes(self) -> list[CaseResult]:
+        """The passed cases with something to say: a known bug whose repro no longer reproduces."""
+        return [r for r in self.results if r.status == "passed" and r.detail]
+
     def summary(self) -> str:
         """One line: ``"torch-sdpa-math (quick, cpu): 60 passed, 2 xfailed, 30 skipped in 1.2 s"``."""
         parts = [f"{n} {status}" for status, n in self.counts().items() if n]
@@ -121,7 +128,8 @@ class Report:
     def __str__(self) -> str:
         problems = self.problems()
         body = self.table(_PROBLEMS) if problems else "every case run agreed with the reference"
-        return f"{self.summary()}\n{body}"
+        notes = "".join(f"\nnote, {r.id}: {r.detail}" for r in self.notes())
+        return f"{self.summary()}\n{body}{notes}"
 
 
 def _cell(results: list[CaseResult]) -> str:

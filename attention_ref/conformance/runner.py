@@ -3,8 +3,8 @@
 Each case is judged by `attention_ref.testing.assert_attention_close`, with the
 tolerances it chooses (FlashAttention's rule: a kernel may be at most twice as
 far from the float64 reference as plain PyTorch in the inputs' own dtype). The
-suite never loosens them: a known bug is an expected failure, pinned to a
-library version (`attention_ref.conformance.KnownFailure`).
+suite never loosens them: a known bug is an expected failure while its repro
+still reproduces against the installed library (`attention_ref.conformance.KnownFailure`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from attention_ref import testing
-from attention_ref.conformance.adapter import Adapter, Unsupported, load_adapter
+from attention_ref.conformance.adapter import Adapter, KnownFailure, ReproError, Unsupported, load_adapter
 from attention_ref.conformance.cases import Case, Inputs, matrix, to_layout
 from attention_ref.conformance.report import CaseResult, Report
 
-__all__ = ["check", "judge_skip_reason", "run", "versions"]
+__all__ = ["check", "expected_failure", "judge_skip_reason", "run", "versions"]
 
 
 def _checker_takes(name: str) -> bool:
@@ -41,6 +41,21 @@ def judge_skip_reason(case: Case) -> str | None:
     return None
 
 
+def expected_failure(adapter: Adapter, case: Case) -> KnownFailure | None:
+    """The known bug ``case`` is expected to fail by: one that applies and whose repro still reproduces.
+
+    ``None`` when no known bug applies, when its repro no longer reproduces (the case is judged
+    plainly), or when the repro cannot tell (`ReproError`: then `check` raises it for the case).
+    """
+    known = adapter.known_failure(case)
+    if known is None:
+        return None
+    try:
+        return known if known.expected() else None
+    except ReproError:
+        return None
+
+
 def check(adapter: Adapter | str, case: Case, device: torch.device | str = "cpu") -> None:
     """Run one case and judge it; return quietly when the kernel agrees with the reference.
 
@@ -51,23 +66,41 @@ def check(adapter: Adapter | str, case: Case, device: torch.device | str = "cpu"
 
     Raises:
         AssertionError: the output or a gradient is out of bounds (the checker's
-            message), or the output has the wrong shape. When a known bug's version
-            pin has passed, the message says that the bug was seen before.
+            message), or the output has the wrong shape. When a known bug applies
+            whose repro no longer reproduces, the message says so: the bug appears
+            fixed upstream, so this failure is something else.
+        ReproError: a known bug applies and its repro raised (or returned no bool):
+            whether the bug still shows cannot be told, whatever the kernel did (the
+            message ends with the kernel's own outcome).
         Exception: whatever the kernel raised.
     """
     adapter = load_adapter(adapter)
+    known = adapter.known_failure(case)
+    cannot_tell: ReproError | None = None
+    reproduces = False
+    if known is not None:
+        try:
+            reproduces = known.expected()
+        except ReproError as error:
+            cannot_tell = error
     inputs = case.build(device)
     try:
         _check(adapter, case, inputs)
-    except Exception as error:  # a known bug whose version pin has passed: say so, keep the error
-        known = adapter.known_failure(case)
-        if known is not None and not known.expected():
-            error.args = (f"{error.args[0] if error.args else ''}\n  note: a known failure of "
-                          f"{known.describe()} no longer expected in this version; still failing "
-                          f"(if this is that bug, not a new one, add {known.library} "
-                          f"{known.installed()} to its seen_in)",
+    except Unsupported:  # a refusal is not judged, whatever the repro says
+        raise
+    except Exception as error:
+        if cannot_tell is not None:
+            raise ReproError(f"{cannot_tell}\n  the kernel, judged plainly: {type(error).__name__}: "
+                             f"{error}") from cannot_tell.__cause__
+        if known is not None and not reproduces:  # the known bug is gone here: keep the error, say so
+            error.args = (f"{error.args[0] if error.args else ''}\n  note: the known failure {known.describe()} "
+                          f"no longer reproduces with {known.where()} (fixed upstream, it appears), so this "
+                          "failure is not that bug, or its repro misses it",
                           *error.args[1:])
         raise
+    if cannot_tell is not None:
+        message = f"{cannot_tell}\n  the kernel, judged plainly, agreed with the reference"
+        raise ReproError(message) from cannot_tell.__cause__
 
 
 def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
@@ -130,7 +163,7 @@ def run_case(adapter: Adapter, case: Case, device: torch.device | str = "cpu") -
     if reason is not None:
         return _result(case, "skipped", reason, 0.0)
     known = adapter.known_failure(case)
-    expected = known is not None and known.expected()
+    expected = expected_failure(adapter, case)
     start = time.perf_counter()
     try:
         check(adapter, case, device)
@@ -138,17 +171,21 @@ def run_case(adapter: Adapter, case: Case, device: torch.device | str = "cpu") -
         status, detail = "failed", str(error)
     except Unsupported as error:  # the kernel refused the input on purpose: not judged
         return _result(case, "skipped", f"refused by the kernel: {error}", time.perf_counter() - start)
-    except Exception as error:  # the kernel raised: reported, not propagated
+    except Exception as error:  # the kernel raised (or a known bug's repro did): reported, not propagated
         status, detail = "error", f"{type(error).__name__}: {error}"
     else:
         status, detail = "passed", ""
     seconds = time.perf_counter() - start
-    if expected:
-        assert known is not None
+    if expected is not None:
         if status == "passed":
-            status, detail = "xpassed", f"a known failure did not show (fixed upstream?): {known.describe()}"
+            status, detail = "xpassed", (f"a known failure did not show, though its repro still reproduces with "
+                                         f"{expected.where()}: {expected.describe()} (does the entry apply to "
+                                         "this case?)")
         else:
-            status, detail = "xfailed", f"{known.describe()}\n{detail}"
+            status, detail = "xfailed", f"{expected.describe()}; its repro reproduces with {expected.where()}\n{detail}"
+    elif known is not None and status == "passed":  # its repro no longer reproduces: judged plainly, and passed
+        detail = (f"the known failure {known.describe()} no longer reproduces with {known.where()}: fixed upstream, "
+                  "it appears; the entry can go")
     return _result(case, status, detail, seconds)
 
 

@@ -21,7 +21,8 @@ boolean masks, FlexAttention's mods and block masks), as a user of it would.
 | `hf_flex_compiled` | ``flex_attention_forward`` as shipped (it compiles ``flex_attention``) | bhld in, blhd out |
 | `attention_ref_math`, `attention_ref_tiled`, `attention_ref_triton` | this package's backends | bhld |
 
-Known bugs are pinned to the version they were seen in (`KnownFailure`). Where torch's
+Known bugs are `KnownFailure` entries, each with a small repro run against the installed
+library: expected to fail while it reproduces, judged plainly once it stops. Where torch's
 SDPA refuses an input under the one kernel asked for ("No available kernel": the CUDA flash
 kernel takes no mask and no float32, for one), the adapter raises `Unsupported` and the case
 is skipped with torch's reasons.
@@ -350,20 +351,73 @@ def _hf_flex_call(compiled: bool) -> Callable[[Problem], torch.Tensor]:
     return call
 
 
-#: The transformers releases the flex bugs below were seen in, each one run: in both, its
-#: flex_attention_forward's score_mod adds ``score_mask[batch_idx][0][q_idx][kv_idx]``.
-_HF_FLEX_BUGS_SEEN = ("5.23.0", "5.24.0")
+def _hf_flex_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' ``flex_attention_forward`` on a float mask, ``flex_attention`` eager as in `hf_flex`:
+    ``(B, H, L, E)`` in, ``(B, H, L, E)`` out (transformers returns ``(B, L, H, E)``)."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    module = torch.nn.Module()
+    module.train(False)  # all flex_attention_forward reads of it is .training
+    with _transformers_flex_uncompiled(True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _FLEX_UNFUSED, UserWarning)
+        out, _ = flex_attention_forward(module, q, k, v, mask)  # (B, L, H, E)
+    return out.transpose(1, 2)
 
 
-def _hf_flex_bugs(version: str) -> tuple[KnownFailure, ...]:
-    return (
-        KnownFailure("flex_attention_forward adds head 0's float mask to every head: its score_mod reads "
-                     "score_mask[batch_idx][0][q_idx][kv_idx]", "transformers", _HF_FLEX_BUGS_SEEN,
-                     frozenset({"float_mask_per_head"})),
-        KnownFailure("flex_attention_forward raises IndexError on a float mask of batch 1 (broadcast over the "
-                     "batch): its score_mod indexes score_mask[batch_idx]", "transformers", _HF_FLEX_BUGS_SEEN,
-                     frozenset({"float_mask_batch1"})),
-    )
+def _shows(out: torch.Tensor, right: torch.Tensor, buggy: torch.Tensor | None, what: str) -> bool:
+    """True when ``out`` is the bug's answer ``buggy``, False when it is ``right``; neither: the repro cannot tell."""
+    if buggy is not None and torch.allclose(out, buggy, atol=1e-6, rtol=1e-5):
+        return True
+    if torch.allclose(out, right, atol=1e-6, rtol=1e-5):
+        return False
+    raise AssertionError(f"{what}: transformers gives neither the right output nor the bug's (max |difference| "
+                         f"from the right one: {(out - right).abs().max().item():.3g})")
+
+
+def _hf_flex_adds_head_0s_mask() -> bool:
+    """The repro of the first flex bug: a float mask that hides key 0 from head 1 only.
+
+    True while head 1 gets head 0's mask (nothing hidden), False when each head gets its own.
+    """
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 4, generator=g)  # (B, H, L, E)
+    k, v = (torch.randn(1, 2, 5, 4, generator=g) for _ in range(2))  # (B, H, S, E)
+    mask = torch.zeros(1, 2, 3, 5)  # (B, H, L, S)
+    mask[0, 1, :, 0] = float("-inf")  # head 1 may not see key 0; head 0 sees every key
+    right = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    buggy = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :1])  # head 0's mask on every head
+    return _shows(_hf_flex_eager(q, k, v, mask), right, buggy, "a two-head float mask")
+
+
+def _hf_flex_indexes_the_mask_by_batch() -> bool:
+    """The repro of the second flex bug: a float mask of batch 1, ``(1, 1, L, S)``, given with a batch of 2.
+
+    True while transformers raises IndexError (its score_mod reads ``score_mask[batch_idx]``, and the
+    mask has no entry 1), False when every batch entry gets the broadcast mask.
+    """
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 3, 4, generator=g)  # (B, H, L, E): B = 2
+    k, v = (torch.randn(2, 1, 5, 4, generator=g) for _ in range(2))  # (B, H, S, E)
+    mask = torch.zeros(1, 1, 3, 5)  # (1, 1, L, S): the same for every batch entry
+    mask[..., 0] = float("-inf")
+    try:
+        out = _hf_flex_eager(q, k, v, mask)
+    except IndexError:
+        return True
+    right = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return _shows(out, right, None, "a float mask of batch 1 at batch 2")
+
+
+#: transformers' flex_attention_forward adds a float mask in a score_mod that reads
+#: ``score_mask[batch_idx][0][q_idx][kv_idx]``: both bugs come from it (first seen in 5.23.0).
+_HF_FLEX_BUGS = (
+    KnownFailure("flex_attention_forward adds head 0's float mask to every head: its score_mod reads "
+                 "score_mask[batch_idx][0][q_idx][kv_idx]", "transformers", frozenset({"float_mask_per_head"}),
+                 _hf_flex_adds_head_0s_mask, first_seen="5.23.0"),
+    KnownFailure("flex_attention_forward raises IndexError on a float mask of batch 1 (broadcast over the "
+                 "batch): its score_mod indexes score_mask[batch_idx]", "transformers",
+                 frozenset({"float_mask_batch1"}), _hf_flex_indexes_the_mask_by_batch, first_seen="5.23.0"),
+)
 
 
 def hf_flex() -> Adapter:
@@ -394,7 +448,7 @@ def _hf_flex(compiled: bool) -> Adapter:
         notes["float_mask"] = ("its score_mod indexes score_mask[batch_idx][0][q_idx][kv_idx]; compiled on a CPU "
                                "that chained indexing corrupts memory and the process dies (segfault or malloc abort)")
     return Adapter("hf-flex-compiled" if compiled else "hf-flex", _hf_flex_call(compiled), output_layout="blhd",
-                   notes=notes, supports=supports, known_failures=_hf_flex_bugs(version),
+                   notes=notes, supports=supports, known_failures=_HF_FLEX_BUGS,
                    description=f"transformers {version} flex_attention_forward"
                                + ("" if compiled else " (flex_attention uncompiled)"))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from attention_ref.conformance import Adapter, Case, check, load_adapter, matrix
-from attention_ref.conformance.runner import judge_skip_reason
+from attention_ref.conformance.runner import expected_failure, judge_skip_reason
 
 _ADAPTER = pytest.StashKey[Adapter]()
 
@@ -29,11 +29,13 @@ def _adapter(config: pytest.Config) -> Adapter:
 def _param(adapter: Adapter, case: Case) -> object:
     marks = []
     reason = adapter.skip_reason(case) or judge_skip_reason(case)
-    known = adapter.known_failure(case)
     if reason is not None:
         marks.append(pytest.mark.skip(reason=reason))
-    elif known is not None and known.expected():
-        marks.append(pytest.mark.xfail(reason=known.describe(), strict=True))
+    elif (known := expected_failure(adapter, case)) is not None:
+        # a known bug whose repro still reproduces: strict, so a pass fails the run. Unmarked when the repro
+        # no longer reproduces (judged plainly) or cannot tell (then check raises ReproError, unexcused).
+        marks.append(pytest.mark.xfail(reason=f"{known.describe()}; its repro reproduces with {known.where()}",
+                                       strict=True))
     return pytest.param(case, id=case.id, marks=marks)
 
 
