@@ -21,16 +21,22 @@ Standard library only: runs with any Python >= 3.10.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 if sys.version_info < (3, 10):
     sys.exit(f"dev.py needs Python >= 3.10, this is {sys.version.split()[0]}")
@@ -64,8 +70,15 @@ def say(message: str) -> None:
     print(f"[dev] {message}", flush=True)
 
 
-def run(cmd: list[str | Path], **kwargs) -> None:
-    say("$ " + " ".join(str(c) for c in cmd))
+def run(cmd: list[str | Path], log: IO[str] | None = None, **kwargs) -> None:
+    """Run ``cmd`` at the root, failing on a non-zero exit; its output goes to ``log`` when given."""
+    line = "$ " + " ".join(str(c) for c in cmd)
+    if log is None:
+        say(line)
+    else:
+        log.write(f"[dev] {line}\n")
+        log.flush()
+        kwargs.update(stdout=log, stderr=subprocess.STDOUT)
     subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True, **kwargs)
 
 
@@ -104,23 +117,87 @@ def setup_python() -> None:
     PYTHON_STAMP.write_text(value + "\n")
 
 
-def setup_newest() -> float:
+def setup_newest(log: IO[str] | None = None) -> float:
     """``.venv-newest``: the package and its test extras with the newest releases (no constraints).
 
     Upgrades every time (``--upgrade-strategy eager``): a release that came out since the last
     run is what this environment is for. The pretrained model's package goes in with --no-deps
-    as in ``.venv``; its version is the newest too.
+    as in ``.venv``; its version is the newest too. Its output goes to ``log`` when given (the
+    full check runs it in the background, beside its own set-up and build).
     """
     start = time.perf_counter()
+    note = say if log is None else (lambda text: (log.write(f"[dev] {text}\n"), log.flush()))
     if not PYTHON_NEWEST.exists():
-        say(f"creating the virtual environment {VENV_NEWEST.relative_to(ROOT)}/ (the newest releases)")
-        run([sys.executable, "-m", "venv", VENV_NEWEST])
-    say(f"newest releases: installing the package with extras [{NEWEST_EXTRAS}], no constraints file, every "
-        "package upgraded (torch's newest on PyPI is its CUDA build: about 6 GB, a minute or two)")
+        note(f"creating the virtual environment {VENV_NEWEST.relative_to(ROOT)}/ (the newest releases)")
+        run([sys.executable, "-m", "venv", VENV_NEWEST], log=log)
+    note(f"newest releases: installing the package with extras [{NEWEST_EXTRAS}], no constraints file, every "
+         "package upgraded (torch's newest on PyPI is its CUDA build: about 6 GB, a minute or two)")
     run([PYTHON_NEWEST, "-m", "pip", "install", "--quiet", "--upgrade", "--upgrade-strategy", "eager",
-         "-e", f".[{NEWEST_EXTRAS}]"])
-    run([PYTHON_NEWEST, "-m", "pip", "install", "--quiet", "--upgrade", "--no-deps", NO_DEPS_PACKAGES[0]])
+         "-e", f".[{NEWEST_EXTRAS}]"], log=log)
+    run([PYTHON_NEWEST, "-m", "pip", "install", "--quiet", "--upgrade", "--no-deps", NO_DEPS_PACKAGES[0]], log=log)
     return time.perf_counter() - start
+
+
+def newest_requirements() -> list[str]:
+    """The package's own requirements and those of `NEWEST_EXTRAS`, read from pyproject.toml
+    (empty on Python 3.10, which has no tomllib: the set-up then installs them with the package)."""
+    try:
+        import tomllib
+    except ImportError:
+        return []
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project.get("optional-dependencies", {})
+    return [*project["dependencies"], *(req for extra in NEWEST_EXTRAS.split(",") for req in extras[extra])]
+
+
+def prefetch_newest(log: IO[str] | None = None) -> None:
+    """The bulk of `setup_newest` before the package itself: its requirements, newest releases, into
+    ``.venv-newest`` (not the package: its editable install writes into the checkout, which the pinned
+    set-up's does too, so that waits for it). Lets the two set-ups run side by side."""
+    requirements = newest_requirements()
+    if not requirements:
+        return
+    if not PYTHON_NEWEST.exists():
+        run([sys.executable, "-m", "venv", VENV_NEWEST], log=log)
+    run([PYTHON_NEWEST, "-m", "pip", "install", "--quiet", "--upgrade", "--upgrade-strategy", "eager",
+         *requirements], log=log)
+
+
+class Background:
+    """``work(log)`` run in a thread from now on, its output kept in a file until `result` prints it.
+
+    The full check starts the newest releases' set-up this way: it is mostly downloads and
+    unpacking, so it fits beside the pinned set-up and the build, which leave a core idle at times.
+    """
+
+    def __init__(self, name: str, work: Callable[[IO[str]], float]) -> None:
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="attention-ref-", suffix=".log")
+        self.value: float | None = None
+        self.waited = 0.0  # seconds `result` waited: what it added to the check's time
+        self.error: BaseException | None = None
+        self.start = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, args=(work,), daemon=True)
+        self.thread.start()
+
+    def _run(self, work: Callable[[IO[str]], float]) -> None:
+        try:
+            self.value = work(self.log)
+        except BaseException as error:  # noqa: BLE001 - re-raised by result()
+            self.error = error
+
+    def result(self) -> float:
+        """Wait for it, print its output, and return its value (re-raising what it raised)."""
+        waited = time.perf_counter()
+        self.thread.join()
+        waited = self.waited = time.perf_counter() - waited
+        self.log.seek(0)
+        print(self.log.read(), end="", flush=True)
+        self.log.close()
+        say(f"{self.name}: started in the background, waited {waited:.1f} s for it here")
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def installed_versions(python: Path) -> str:
@@ -179,10 +256,55 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
     say(f"serving the docs on http://{args.address}/ (Ctrl-C stops); package edits rebuild the pages")
     cmd = [BIN / "mkdocs", "serve", "--livereload", "-a", args.address, *extra]
     say("$ " + " ".join(str(c) for c in cmd))
+    return run_until_stopped([str(c) for c in cmd])
+
+
+#: The signals that stop `dev.py serve` (Ctrl-C, an editor's stop button or a process manager, a closed
+#: terminal): each is passed on to everything it started.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def run_until_stopped(cmd: list[str], grace: float = 10.0) -> int:
+    """Run ``cmd`` in a process group of its own until it exits or this process is told to stop; then
+    the signal goes to the whole group (``mkdocs serve`` and the worker processes it spawned), which
+    gets ``grace`` seconds before SIGKILL. Nothing it started outlives it, holding the port. Returns 0
+    when stopped by a signal, else the command's exit status."""
+    group = os.name == "posix"
+    child = subprocess.Popen(cmd, cwd=ROOT, start_new_session=group)
+    stopped: list[int] = []
+
+    def stop(signum, frame) -> None:
+        stopped.append(signum)
+        try:
+            if group:
+                os.killpg(child.pid, signum)
+            else:
+                child.terminate()
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
-        return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode
-    except KeyboardInterrupt:
-        return 0
+        since: float | None = None  # when the first stop signal came
+        while True:
+            try:
+                returncode = child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if stopped and since is None:
+                    since = time.monotonic()
+                if since is not None and time.monotonic() - since > grace:  # it did not stop in time
+                    say(f"{cmd[0]} did not stop within {grace:.0f} s of the signal: killing it")
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child.pid, signal.SIGKILL) if group else child.kill()
+                    since = float("inf")
+        if group:  # anything of the group still alive (a worker whose parent did not wait for it)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stopped else returncode
 
 
 def free_port() -> int:
@@ -242,8 +364,10 @@ def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
         ("set-up", True, set_up, f"{VENV.name}, pinned: {installed_versions(PYTHON)}")]
     say("quick tier: unit and property tests and doctests (no site build, no pages, no browser)")
     start = time.perf_counter()
+    TIMINGS.clear()
     with tempfile.TemporaryDirectory(prefix="attention-ref-quick-") as tmp:
         returncode, detail = run_pytest(args, extra, dict(os.environ), QUICK_IGNORES, Path(tmp) / "junit.xml")
+        TIMINGS["pytest"] = file_seconds(Path(tmp) / "junit.xml")
     results.append(("pytest", returncode == 0, time.perf_counter() - start,
                     f"{detail}; the pages and the site not checked"))
     if args.newest:
@@ -253,25 +377,73 @@ def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if all_ok else 1
 
 
-def check_newest(args: argparse.Namespace, extra: list[str]) -> list[tuple[str, bool | None, float, str]]:
-    """The package's own tests (`QUICK_IGNORES`: not the pages, not the site) in ``.venv-newest``:
-    the summary's rows for its set-up and its tests."""
-    say("newest releases: the package's own tests again, with the newest torch and transformers")
+#: The marker of the tests that exercise another library's behaviour (torch's kernels and dispatch,
+#: FlexAttention, torch.distributed, Triton, transformers, fla): the newest tier runs those
+#: (pyproject.toml declares it; tests/test_structure.py holds each test file to a choice).
+UPSTREAM_MARKER = "upstream"
+
+
+def check_newest(args: argparse.Namespace, extra: list[str],
+                 set_up: Background | None = None) -> list[tuple[str, bool | None, float, str]]:
+    """The package's tests that exercise other libraries (`UPSTREAM_MARKER`; not the pages, not the site)
+    in ``.venv-newest``: the summary's rows for its set-up and its tests. ``set_up``: the set-up already
+    started in the background (`Background`), else it runs here."""
+    say(f"newest releases: the tests marked {UPSTREAM_MARKER!r} again, with the newest torch and transformers")
     try:
-        set_up = setup_newest()
+        seconds = set_up.result() if set_up is not None else setup_newest()
     except subprocess.CalledProcessError as error:
         say(f"FAILED (exit {error.returncode}): {' '.join(map(str, error.cmd))}")
         return [("newest set-up", False, 0.0, "FAILED: see pip's output above"),
                 ("newest tests", False, 0.0, "not run: the set-up failed")]
     versions = installed_versions(PYTHON_NEWEST)
     say(f"newest releases: {versions}")
+    where = ""
+    if set_up is not None:  # the row shows what it added to the check: the wait for it
+        where, seconds = f"; {seconds:.0f} s in the background, beside the set-up and the build", set_up.waited
     start = time.perf_counter()
-    env = {k: v for k, v in os.environ.items() if k != "ATTENTION_REF_BUILT_SITE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ATTENTION_REF_BUILT_SITE", "ATTENTION_REF_BUILD_RECORD")}
     with tempfile.TemporaryDirectory(prefix="attention-ref-newest-") as tmp:
-        returncode, detail = run_pytest(args, extra, env, QUICK_IGNORES, Path(tmp) / "junit.xml", PYTHON_NEWEST)
-    return [("newest set-up", True, set_up, f"{VENV_NEWEST.name}: {versions}"),
-            ("newest tests", returncode == 0, time.perf_counter() - start, detail + "; the pages and the site not "
-             "run here")]
+        junit = Path(tmp) / "junit.xml"
+        returncode, detail = run_pytest(args, extra, env, [*QUICK_IGNORES, "-m", UPSTREAM_MARKER], junit,
+                                        PYTHON_NEWEST)
+        TIMINGS["newest tests"] = file_seconds(junit)
+    return [("newest set-up", True, seconds, f"{VENV_NEWEST.name}: {versions}{where}"),
+            ("newest tests", returncode == 0, time.perf_counter() - start,
+             f"{detail}; marked {UPSTREAM_MARKER!r}, the pages and the site not run here")]
+
+
+#: Seconds per test file of each pytest run of this check (from its JUnit XML), and per page of the
+#: strict build (docs/hooks/build_record.py): what the summary's slowest lists and --report show.
+TIMINGS: dict[str, dict[str, float]] = {}
+
+
+def file_seconds(junit: Path) -> dict[str, float]:
+    """Seconds per test file (or Markdown page, for its executed blocks) in a pytest JUnit XML file."""
+    seconds: dict[str, float] = {}
+    if not junit.is_file():
+        return seconds
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = _test_file(case.get("classname", ""))
+        seconds[name] = seconds.get(name, 0.0) + float(case.get("time", 0) or 0)
+    return seconds
+
+
+def _test_file(classname: str) -> str:
+    """``tests.test_x.TestY`` -> ``tests/test_x.py``, ``docs.tutorial.05-masks.md`` -> ``docs/tutorial/05-masks.md``:
+    the file a JUnit classname names (pytest writes the path's ``/`` as ``.`` and drops ``.py``)."""
+    parts = classname.split(".")
+    for n in range(len(parts), 0, -1):
+        candidates = ["/".join(parts[:n]) + ".py"]
+        if n >= 2:  # a file with another suffix: its last dot is the suffix's
+            candidates.append("/".join(parts[:n - 1]) + "." + parts[n - 1])
+        for candidate in candidates:
+            if (ROOT / candidate).is_file():
+                return candidate
+    return classname or "?"
+
+
+def slowest(seconds: dict[str, float], n: int = 10) -> list[tuple[str, float]]:
+    return sorted(seconds.items(), key=lambda item: -item[1])[:n]
 
 
 def print_summary(title: str, results: list[tuple[str, bool | None, float, str]], total_start: float) -> bool:
@@ -282,7 +454,30 @@ def print_summary(title: str, results: list[tuple[str, bool | None, float, str]]
         status = "skipped" if ok is None else "ok" if ok else "FAILED"
         print(f"  {name:<13} {status:<7} {seconds:7.1f} s   {detail}")
     all_ok = all(ok is not False for _, ok, _, _ in results)  # None: skipped, not failed
-    print(f"  {'total':<13} {'ok' if all_ok else 'FAILED':<7} {time.perf_counter() - total_start:7.1f} s")
+    total = time.perf_counter() - total_start
+    print(f"  {'total':<13} {'ok' if all_ok else 'FAILED':<7} {total:7.1f} s")
+    files: dict[str, float] = {}
+    for name, seconds in TIMINGS.items():
+        if name != "pages":
+            for file, t in seconds.items():
+                files[file] = files.get(file, 0.0) + t
+    for title, seconds in (("the ten slowest test files (seconds summed over their tests and runs)", files),
+                           ("the ten slowest pages of the strict build (seconds to render, blocks included)",
+                            TIMINGS.get("pages", {}))):
+        if seconds:
+            print(f"  {title}:")
+            for name, t in slowest(seconds):
+                print(f"    {t:7.1f} s  {name}")
+    report = os.environ.get("ATTENTION_REF_CHECK_REPORT")
+    if report:
+        Path(report).write_text(json.dumps({
+            "ok": all_ok, "total_seconds": round(total, 1),
+            "phases": [{"name": name, "ok": ok, "seconds": round(t, 1), "detail": detail}
+                       for name, ok, t, detail in results],
+            "timings": {name: {k: round(v, 2) for k, v in sorted(seconds.items(), key=lambda i: -i[1])}
+                        for name, seconds in TIMINGS.items()},
+        }, indent=1) + "\n", encoding="utf-8")
+        say(f"the figures of this check written to {report} (ATTENTION_REF_CHECK_REPORT)")
     return all_ok
 
 
@@ -299,6 +494,21 @@ def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], 
                               f"{n['skipped']} skipped (details: the 'short test summary' above)")
 
 
+#: What the strict build runs itself, so the full check does not run it again: every executed block
+#: (the collector of tests/docs/pages.txt; the build fails on a block that raises, naming its page and
+#: line). The shown-code test reads the build's outputs (docs/hooks/build_record.py), so it runs after
+#: the build, with the site tests.
+RUN_BY_THE_BUILD = ["--ignore=tests/docs/pages.txt"]
+AFTER_THE_BUILD = ["tests/site", "tests/docs/test_shown_code.py"]
+
+
+def build_env(args: argparse.Namespace, extra: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The strict build's environment: as many torch threads as a test worker (`test_env`), so that the
+    outputs it records are those a worker computes (a sum over threads adds in another order)."""
+    threads = test_env(args, extra, {}).get("OMP_NUM_THREADS")
+    return env if threads is None or "OMP_NUM_THREADS" in env else dict(env, OMP_NUM_THREADS=threads)
+
+
 def check(args: argparse.Namespace, extra: list[str]) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise SystemExit(f"dev.py check: --jobs must be at least 1, got {args.jobs}")
@@ -307,8 +517,24 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
             raise SystemExit("dev.py check: --quick builds no site, so --site-dir has nothing to keep")
         return check_quick(args, extra)
     total_start = time.perf_counter()
+    TIMINGS.clear()
     results: list[tuple[str, bool | None, float, str]] = []
-    set_up = setup()
+    # the newest releases' downloads start now, beside this set-up (two pip processes, mostly waiting on
+    # the network and the disk); their package install waits for ours (both write into the checkout)
+    ours_done = threading.Event()
+
+    def newest_set_up(log: IO[str]) -> float:
+        start = time.perf_counter()
+        prefetch_newest(log)
+        ours_done.wait()
+        setup_newest(log)
+        return time.perf_counter() - start
+
+    newest = Background("newest set-up", newest_set_up) if args.newest else None
+    try:
+        set_up = setup()
+    finally:
+        ours_done.set()
     results.append(("set-up", True, set_up, f"{VENV.name}, pinned: {installed_versions(PYTHON)}; KaTeX assets"))
 
     require_browser = os.environ.get("ATTENTION_REF_REQUIRE_BROWSER") == "1"
@@ -326,6 +552,7 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         # workflow does): the site tests serve the build at the address it was built for,
         # which Material's instant navigation needs.
         env.setdefault("ATTENTION_REF_SITE_URL", f"http://127.0.0.1:{free_port()}/")
+        record = Path(tmp) / "build-record.json"
         build_cmd = [str(BIN / "mkdocs"), "build", "--strict", "-d", str(site)]
         # With no pytest arguments of the caller's and pytest-xdist on, the build runs beside the tests
         # that need no site (a build keeps about one core busy), and the site tests follow it.
@@ -335,42 +562,56 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         start = time.perf_counter()
         build_log = Path(tmp) / "build.log"
         with build_log.open("w") as log:
-            building = subprocess.Popen(build_cmd, cwd=ROOT, env=env, stdout=log if overlap else None,
+            building = subprocess.Popen(build_cmd, cwd=ROOT, stdout=log if overlap else None,
+                                        env=build_env(args, extra, dict(env, ATTENTION_REF_BUILD_RECORD=str(record))),
                                         stderr=subprocess.STDOUT if overlap else None)
             if overlap:
                 tests_start = time.perf_counter()
-                say("pytest, beside the build: unit tests, doctests, docs blocks")
-                returncode, detail = run_pytest(args, extra, env, ["--ignore=tests/site"], Path(tmp) / "junit.xml")
+                say("pytest, beside the build: unit tests, doctests (the pages' blocks run in the build)")
+                junit = Path(tmp) / "junit.xml"
+                returncode, detail = run_pytest(args, extra, env, ["--ignore=tests/site", *RUN_BY_THE_BUILD,
+                                                                   *(f"--ignore={p}" for p in AFTER_THE_BUILD)], junit)
+                TIMINGS["pytest"] = file_seconds(junit)
                 results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start, detail)]
             build_ok = building.wait() == 0
         build_seconds = time.perf_counter() - start
         if overlap:
             print(build_log.read_text(), end="")
         pages = len(list(site.rglob("index.html"))) if build_ok else 0
+        if record.is_file():
+            TIMINGS["pages"] = {page: data["seconds"] for page, data in
+                                json.loads(record.read_text(encoding="utf-8"))["pages"].items()}
         results.append(("strict build", build_ok, build_seconds,
                         f"{pages} pages" if build_ok else "FAILED: see the log above"))
         if build_ok:
             env["ATTENTION_REF_BUILT_SITE"] = str(site)  # the site tests use this very build
+            env["ATTENTION_REF_BUILD_RECORD"] = str(record)  # and the outputs its blocks printed
         if overlap:
             results += results_tests
             if build_ok:
                 # by file, as the rest: test by test (--dist load) took 248 s against 220 here, a worker
                 # waiting for the other to make the notebooks' fresh environment
-                say("pytest: built-site tests")
+                say("pytest: built-site tests, and the pages' shown code against what the build printed")
                 start = time.perf_counter()
-                returncode, detail = run_pytest(args, extra, env, ["tests/site"], Path(tmp) / "junit-site.xml")
+                junit = Path(tmp) / "junit-site.xml"
+                returncode, detail = run_pytest(args, extra, env, AFTER_THE_BUILD, junit)
+                TIMINGS["site tests"] = file_seconds(junit)
                 results.append(("site tests", returncode == 0, time.perf_counter() - start, detail))
         else:  # after the build; without a site the site tests would only rebuild and fail the same way
             say("pytest: unit tests, doctests, docs blocks" + (", built-site tests" if build_ok else ""))
             start = time.perf_counter()
-            returncode, detail = run_pytest(args, extra, env, [] if build_ok else ["--ignore=tests/site"],
-                                            Path(tmp) / "junit.xml")
+            # with the caller's own selection (-k, paths), the pages' blocks run if selected
+            which = [] if extra else list(RUN_BY_THE_BUILD)
+            junit = Path(tmp) / "junit.xml"
+            returncode, detail = run_pytest(args, extra, env, which if build_ok else [*which, "--ignore=tests/site"],
+                                            junit)
+            TIMINGS["pytest"] = file_seconds(junit)
             results.append(("pytest", returncode == 0, time.perf_counter() - start, detail))
         if not build_ok:
             results.append(("site tests", False, 0.0, "not run: the strict build failed"))
 
     if args.newest:
-        results += check_newest(args, extra)
+        results += check_newest(args, extra, newest)
     if not CHROMIUM.exists() and not require_browser:
         results.append(("browser", None, 0.0, f"no {CHROMIUM}: `sudo apt-get install chromium`"))
     all_ok = print_summary("summary", results, total_start)

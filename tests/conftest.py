@@ -42,6 +42,14 @@ if not torch.cuda.is_available():
         import triton  # noqa: F401
 import torch.nn.functional as F
 
+# Hub kernels never replace what a test compares. transformers 5.25 turned them on by default in
+# from_pretrained (use_kernels=None means on; 5.23 defaults to off): a loaded model's layers may then run
+# kernels fetched from the Hub in place of the code its eager path runs. The variable turns them off on every
+# release that knows it (5.23 reads it when transformers is first imported, after this file; 5.25 at each
+# load), for every from_pretrained of the tests, of the pages they execute and of the processes they start.
+# A keyword at each call (use_kernels=False, accepted by both) would leave the pages and any new call open.
+os.environ["USE_HUB_KERNELS"] = "NO"
+
 DEVICES = ("cpu", "cuda")
 
 
@@ -87,6 +95,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cpu_only(reason): a test of CPU behaviour, skipped when --device is cuda"
     )
+    config.addinivalue_line(
+        "markers", f"{UPSTREAM}: the test runs another library's behaviour (every test outside "
+        "tests/conftest.py's OWN_TESTS); the newest tier runs these"
+    )
     name = config.getoption("--device") or os.environ.get("ATTENTION_REF_TEST_DEVICE") or "cpu"
     if name not in DEVICES:
         raise pytest.UsageError(f"--device must be one of {DEVICES}, got {name!r}")
@@ -108,13 +120,56 @@ LONGEST_FIRST = ("tests/site/test_browser.py", "tests/docs/test_shown_code.py", 
                  "tests/site/test_teaching.py", "tests/site/test_explorer.py", "tests/test_conformance.py")
 
 
+#: The test files whose verdict depends only on this package's own files and arithmetic, with why: the
+#: newest tier (``dev.py check --newest``, ``-m upstream``) leaves them out. Every other test, the
+#: doctests included, is marked ``upstream``: it runs another library's behaviour (torch's kernels and
+#: dispatch, FlexAttention, autograd's gradcheck, torch.distributed, Triton, transformers, fla, NumPy)
+#: as an oracle or through an adapter, so a new release of that library can change its verdict. A new
+#: test file is upstream until it is named here. tests/test_structure.py holds these names to files.
+OWN_TESTS: dict[str, str] = {
+    "tests/test_block_diagram.py": "the block diagram's SVG is drawn from the package's own module tree",
+    "tests/test_complexity.py": "cost formulas against FLOP counts of the package's own reference path",
+    "tests/test_dev.py": "dev.py's command line, environments and summary: standard library only",
+    "tests/test_device_switch.py": "the test suite's own --device switch",
+    "tests/test_diagrams.py": "SVG diagrams drawn by the package, read back as XML",
+    "tests/test_gpu_session.py": "the GPU session script's plan and records, run on the CPU",
+    "tests/test_lm.py": "page 11's model against an independent float64 forward and its own shipped record",
+    "tests/test_measured.py": "the committed measurement files against their provenance",
+    "tests/test_properties.py": "hypothesis properties of the package's functions against each other",
+    "tests/test_recall.py": "the MQAR task and mixers against float64 formulas, the shipped models' records",
+    "tests/test_structure.py": "the project's layout and import direction",
+    "tests/test_viz.py": "matplotlib figures of the package's data, read back",
+    "tests/test_benchmark.py": "the benchmark scripts' arithmetic and records",
+    "tests/test_kv_cache_bench.py": "the KV-cache benchmark's arithmetic and records",
+    "tests/test_linear_bench.py": "the linear-attention benchmark's arithmetic and records",
+    "tests/test_linear_gpu_bench.py": "the GPU linear-attention benchmark's records (no GPU here)",
+    "tests/test_threads_bench.py": "the threads benchmark's arithmetic and records",
+}
+
+#: The marker of the tests that exercise another library's behaviour: every test outside `OWN_TESTS`.
+UPSTREAM = "upstream"
+
+
+def _mark_upstream(items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        try:
+            path = item.path.resolve().relative_to(root).as_posix()
+        except ValueError:
+            path = str(item.path)
+        if path not in OWN_TESTS:
+            item.add_marker(UPSTREAM)
+
+
 def _longest_first(items: list[pytest.Item]) -> None:
     """Reorder ``items`` in place: the files of `LONGEST_FIRST` first, in that order, each file's tests as they were."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_upstream(items)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker sorts alike
         _longest_first(items)
     if config.stash[_DEVICE] == "cpu":

@@ -77,7 +77,8 @@ def test_the_newest_tier_runs_the_packages_own_tests_with_the_newest_python(dev,
     monkeypatch.setenv("ATTENTION_REF_BUILT_SITE", "/somewhere")
     rows = dev.check_newest(args(newest=True), [])
     ((which, python, env),) = runs
-    assert which == dev.QUICK_IGNORES and python == dev.PYTHON_NEWEST
+    # the tests marked upstream (tests/conftest.py marks them), not the pages, not the site
+    assert which == [*dev.QUICK_IGNORES, "-m", "upstream"] and python == dev.PYTHON_NEWEST
     assert "ATTENTION_REF_BUILT_SITE" not in env
     assert [(name, ok) for name, ok, _, _ in rows] == [("newest set-up", True), ("newest tests", False)]
     assert "torch 9.9" in rows[0][3]  # the summary names the newest versions
@@ -106,3 +107,86 @@ def test_installed_versions_names_each_distribution_or_its_absence(dev, monkeypa
     monkeypatch.setattr(dev, "NAMED_VERSIONS", ["pytest", "no-such-distribution-here"])
     assert dev.installed_versions(Path(sys.executable)) == (
         f"pytest {pytest.__version__}, no-such-distribution-here absent")
+
+
+_SERVE_LIKE = """
+import os, signal, subprocess, sys, time
+if sys.argv[1] == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a server that will not stop when asked
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # as mkdocs spawns workers
+print(os.getpid(), worker.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie is dead, only not yet reaped
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see which processes live")
+@pytest.mark.parametrize("child", ["obeys", "ignore"])
+def test_serve_stops_everything_it_started_whatever_the_signal(child, tmp_path):
+    """`dev.py serve` under SIGTERM (an editor's stop button): the server and its workers stop too, and a
+    server that ignores the signal is killed after the grace period."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "serve_like.py"
+    script.write_text(_SERVE_LIKE)
+    runner = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('d', {str(ROOT / 'dev.py')!r}); "
+              "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+              f"sys.exit(m.run_until_stopped([sys.executable, {str(script)!r}, {child!r}], grace=1.0))")
+    with subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True) as outer:
+        server, worker = (int(pid) for pid in outer.stdout.readline().split())
+        assert _alive(server) and _alive(worker)
+        outer.send_signal(signal.SIGTERM)
+        assert outer.wait(timeout=20) == 0  # stopped on purpose: not a failure
+    deadline = time.monotonic() + 5
+    while (_alive(server) or _alive(worker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server) and not _alive(worker), "dev.py serve left a process running"
+
+
+def test_the_newest_set_up_in_the_background_shows_its_output_and_its_wait(dev, capsys):
+    def work(log):
+        log.write("pip said this\n")
+        return 42.0
+
+    job = dev.Background("newest set-up", work)
+    assert job.result() == 42.0 and job.waited >= 0
+    out = capsys.readouterr().out
+    assert "pip said this" in out and "newest set-up: started in the background" in out
+
+    def fail(log):
+        raise dev.subprocess.CalledProcessError(2, ["pip"])
+
+    with pytest.raises(dev.subprocess.CalledProcessError):
+        dev.Background("newest set-up", fail).result()
+
+
+def test_the_summary_lists_the_slowest_files_and_pages_and_writes_the_report(dev, capsys, monkeypatch, tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite>'
+                     '<testcase classname="tests.test_dev" name="a" time="2.5"/>'
+                     '<testcase classname="tests.test_dev" name="b" time="1.0"/>'
+                     '<testcase classname="docs.tutorial.01-intuition.md" name="c" time="4"/>'
+                     '</testsuite></testsuites>')
+    seconds = dev.file_seconds(junit)
+    assert seconds == {"tests/test_dev.py": 3.5, "docs/tutorial/01-intuition.md": 4.0}
+    monkeypatch.setattr(dev, "TIMINGS", {"pytest": seconds, "pages": {"tutorial/11-language-model.md": 50.0}})
+    report = tmp_path / "report.json"
+    monkeypatch.setenv("ATTENTION_REF_CHECK_REPORT", str(report))
+    assert dev.print_summary("summary", [("set-up", True, 1.0, "")], 0.0)
+    out = capsys.readouterr().out
+    files = out.split("ten slowest test files")[1].split("ten slowest pages")[0]
+    assert files.index("docs/tutorial/01-intuition.md") < files.index("tests/test_dev.py")
+    assert "50.0 s  tutorial/11-language-model.md" in out
+    written = dev.json.loads(report.read_text())
+    assert written["ok"] and written["phases"][0]["name"] == "set-up"
+    assert written["timings"]["pages"] == {"tutorial/11-language-model.md": 50.0}

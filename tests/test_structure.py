@@ -84,3 +84,19 @@ def test_the_cycle_finder_finds_one():
 )
 def test_layers(module, never):
     assert not _imports()[module] & never
+
+
+def test_the_newest_tier_marker_names_real_files_and_marks_the_rest(request):
+    """tests/conftest.py's OWN_TESTS name files that exist; every collected test outside them carries the
+    ``upstream`` marker the newest tier selects (``dev.py check --newest``), and none inside them does."""
+    conftest = request.config.pluginmanager.get_plugin(str(Path(__file__).with_name("conftest.py")))
+    root = PACKAGE.parent
+    missing = [name for name in conftest.OWN_TESTS if not (root / name).is_file()]
+    assert not missing, f"OWN_TESTS names files that do not exist: {missing}"
+    wrong = []
+    for item in request.session.items:
+        own = item.path.resolve().relative_to(root).as_posix() in conftest.OWN_TESTS
+        if own == (item.get_closest_marker(conftest.UPSTREAM) is not None):
+            wrong.append(item.nodeid)
+    assert not wrong, f"marked against OWN_TESTS: {wrong[:5]}"
+    assert request.node.get_closest_marker(conftest.UPSTREAM) is None  # this file is its own

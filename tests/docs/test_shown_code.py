@@ -12,12 +12,19 @@ each session in its own namespace, and every block must print the same in both r
 whose output changes from one run of the full code to the next (a measured time, a plot of
 one) cannot be compared, and is reported as skipped; it is found by running the page as
 written a second time, seeded as the first.
+
+In ``python3 dev.py check`` the page as written is not run again here: the strict build
+recorded what each block printed (docs/hooks/build_record.py, the file named by
+``ATTENTION_REF_BUILD_RECORD``), and the shown code is compared with that. Only a page whose
+shown code prints something else than the build is then run as written here, and judged as
+above: so a page's code runs twice per check (the build, the shown code), not three times.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import random
 import re
@@ -43,6 +50,7 @@ def _fences():
 
 
 fences = _fences()
+BUILD_RECORD = os.environ.get("ATTENTION_REF_BUILD_RECORD")
 PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
                if fences.find_blocks(p))
 
@@ -76,6 +84,20 @@ _SVG = re.compile(r"<svg\b.*?</svg>", re.DOTALL)
 _SVG_TEXT = re.compile(r"<text\b[^>]*>([^<]*)</text>")
 
 
+def built_outputs(page: str, blocks) -> list[str] | None:
+    """What the strict build printed for each block of ``page`` (docs/hooks/build_record.py), or None
+    when there is no record of it (no ``ATTENTION_REF_BUILD_RECORD``, or not every block recorded)."""
+    if not BUILD_RECORD:
+        return None
+    path = Path(BUILD_RECORD)
+    if not path.is_file():
+        raise AssertionError(f"ATTENTION_REF_BUILD_RECORD={BUILD_RECORD} names no file: did the build run?")
+    recorded = json.loads(path.read_text(encoding="utf-8"))["pages"].get(page.removeprefix("docs/"))
+    if recorded is None or [b["line"] for b in recorded["blocks"]] != [b.line for b in blocks]:
+        return None
+    return [b["output"] for b in recorded["blocks"]]
+
+
 def same_output(full: str, shown: str) -> bool:
     """Whether the shown code printed what the whole code printed. Text must be equal. A figure
     (inline SVG) may lose words, since hidden lines may style it (axis labels, titles, legends),
@@ -102,8 +124,11 @@ def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.M
         monkeypatch.chdir(tmp_path if shown else ROOT)
         return run_page(blocks, shown=shown, seed=seed)
 
-    full = run(False, seed=1)
     shown = run(True, seed=2)  # a page seeds what it draws
+    built = built_outputs(page, blocks)
+    if built is not None and all(same_output(a, b) for a, b in zip(built, shown)):
+        return  # the shown code printed what the site shows
+    full = run(False, seed=1)
     differ = [i for i, (a, b) in enumerate(zip(full, shown)) if not same_output(a, b)]
     if not differ:
         return

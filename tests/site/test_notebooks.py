@@ -7,7 +7,8 @@ checks as one "Checks" cell, and an empty "Your turn" cell before each solution;
 math, no 127.0.0.1, no links to .md files. Then its code cells run top to bottom in one fresh
 namespace, as Jupyter would run them (in this process: the package is already imported, so
 the notebooks cost only their own code). test_fresh_notebooks.py runs them in a fresh
-environment installed with the install line.
+environment installed with the install line; when it runs (CI), the run here is left out, so
+each notebook runs once per check.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import re
 from pathlib import Path
 
@@ -99,6 +101,13 @@ def test_notebook_holds_the_pages_code(built_site: Path, source: str):
                 assert cell.outputs, f"{source}: no stored output for the block at line {block.line}"
 
 
+#: Set when test_fresh_notebooks.py runs every notebook in a fresh environment (as CI does): that run is
+#: this one's and more (outside the checkout, the package as installed), so the notebooks run once.
+FRESH_RUN = os.environ.get("ATTENTION_REF_SLOW_TESTS") or os.environ.get("ATTENTION_REF_FRESH_NOTEBOOKS")
+
+
+@pytest.mark.skipif(bool(FRESH_RUN), reason="test_fresh_notebooks.py runs every notebook this run, in a fresh "
+                    "environment installed with the install line")
 @pytest.mark.parametrize("source", TUTORIAL_SOURCES)
 def test_notebook_runs(built_site: Path, source: str, monkeypatch: pytest.MonkeyPatch):
     notebook = built_notebook(built_site, source)
