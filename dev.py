@@ -170,23 +170,26 @@ class Background:
     unpacking, so it fits beside the pinned set-up and the build, which leave a core idle at times.
     """
 
-    def __init__(self, name: str, work: Callable[[IO[str]], float]) -> None:
+    def __init__(self, name: str, work: Callable[[IO[str]], object]) -> None:
         self.name = name
         self.log = tempfile.NamedTemporaryFile("w+", prefix="attention-ref-", suffix=".log")
-        self.value: float | None = None
+        self.value: object = None
         self.waited = 0.0  # seconds `result` waited: what it added to the check's time
+        self.seconds = 0.0  # seconds the work took
         self.error: BaseException | None = None
         self.start = time.perf_counter()
         self.thread = threading.Thread(target=self._run, args=(work,), daemon=True)
         self.thread.start()
 
-    def _run(self, work: Callable[[IO[str]], float]) -> None:
+    def _run(self, work: Callable[[IO[str]], object]) -> None:
         try:
             self.value = work(self.log)
         except BaseException as error:  # noqa: BLE001 - re-raised by result()
             self.error = error
+        finally:
+            self.seconds = time.perf_counter() - self.start
 
-    def result(self) -> float:
+    def result(self):
         """Wait for it, print its output, and return its value (re-raising what it raised)."""
         waited = time.perf_counter()
         self.thread.join()
@@ -482,12 +485,17 @@ def print_summary(title: str, results: list[tuple[str, bool | None, float, str]]
 
 
 def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], which: list[str],
-               junit: Path, python: Path = PYTHON) -> tuple[int, str]:
+               junit: Path, python: Path = PYTHON, log: IO[str] | None = None) -> tuple[int, str]:
     """Run pytest on ``which`` (arguments naming the tests) and the caller's ``extra`` with ``python``
-    (``.venv``'s unless told): its exit status and counts."""
+    (``.venv``'s unless told): its exit status and counts. Its output goes to ``log`` when given."""
     cmd = [str(python), "-m", "pytest", f"--junitxml={junit}", *parallel(args, extra), *which, *extra]
-    say("$ " + " ".join(cmd))
-    tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, env))
+    if log is None:
+        say("$ " + " ".join(cmd))
+    else:
+        log.write("[dev] $ " + " ".join(cmd) + "\n")
+        log.flush()
+    tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, env),
+                           **({} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}))
     n = pytest_counts(junit)
     passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
     return tests.returncode, (f"{passed} passed, {n['failures']} failed, {n['errors']} errors, "
@@ -504,9 +512,15 @@ AFTER_THE_BUILD = ["tests/site", "tests/docs/test_shown_code.py"]
 
 def build_env(args: argparse.Namespace, extra: list[str], env: dict[str, str]) -> dict[str, str]:
     """The strict build's environment: as many torch threads as a test worker (`test_env`), so that the
-    outputs it records are those a worker computes (a sum over threads adds in another order)."""
+    outputs it records are those a worker computes (a sum over threads adds in another order); and as
+    many worker processes running the pages' code ahead of it as the machine has cores
+    (``ATTENTION_REF_BUILD_WORKERS``, docs/hooks/reload.py), unless the caller set a number."""
+    env = dict(env)
     threads = test_env(args, extra, {}).get("OMP_NUM_THREADS")
-    return env if threads is None or "OMP_NUM_THREADS" in env else dict(env, OMP_NUM_THREADS=threads)
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", threads)
+    env.setdefault("ATTENTION_REF_BUILD_WORKERS", str(os.cpu_count() or 1))
+    return env
 
 
 def check(args: argparse.Namespace, extra: list[str]) -> int:
@@ -565,6 +579,24 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
             building = subprocess.Popen(build_cmd, cwd=ROOT, stdout=log if overlap else None,
                                         env=build_env(args, extra, dict(env, ATTENTION_REF_BUILD_RECORD=str(record))),
                                         stderr=subprocess.STDOUT if overlap else None)
+            ended: list[float] = []  # when the build ended: the tests beside it may end later
+            site_tests: list[Background] = []
+
+            def when_built() -> None:
+                # the site tests start as soon as the build is done, beside the rest of the tests: the
+                # browser waits for pages and pip for the network, which leaves the cores idle at times
+                returncode = building.wait()
+                ended.append(time.perf_counter())
+                if returncode == 0 and overlap:
+                    say("strict build done: the built-site tests and the pages' shown code start beside the "
+                        "other tests (their output follows when they end)")
+                    site_env = dict(env, ATTENTION_REF_BUILT_SITE=str(site), ATTENTION_REF_BUILD_RECORD=str(record))
+                    junit = Path(tmp) / "junit-site.xml"
+                    site_tests.append(Background("site tests", lambda log: (
+                        run_pytest(args, extra, site_env, AFTER_THE_BUILD, junit, log=log), file_seconds(junit))))
+
+            watcher = threading.Thread(target=when_built, daemon=True)
+            watcher.start()
             if overlap:
                 tests_start = time.perf_counter()
                 say("pytest, beside the build: unit tests, doctests (the pages' blocks run in the build)")
@@ -574,7 +606,8 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
                 TIMINGS["pytest"] = file_seconds(junit)
                 results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start, detail)]
             build_ok = building.wait() == 0
-        build_seconds = time.perf_counter() - start
+            watcher.join()
+        build_seconds = ended[0] - start
         if overlap:
             print(build_log.read_text(), end="")
         pages = len(list(site.rglob("index.html"))) if build_ok else 0
@@ -588,15 +621,13 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
             env["ATTENTION_REF_BUILD_RECORD"] = str(record)  # and the outputs its blocks printed
         if overlap:
             results += results_tests
-            if build_ok:
-                # by file, as the rest: test by test (--dist load) took 248 s against 220 here, a worker
-                # waiting for the other to make the notebooks' fresh environment
-                say("pytest: built-site tests, and the pages' shown code against what the build printed")
-                start = time.perf_counter()
-                junit = Path(tmp) / "junit-site.xml"
-                returncode, detail = run_pytest(args, extra, env, AFTER_THE_BUILD, junit)
-                TIMINGS["site tests"] = file_seconds(junit)
-                results.append(("site tests", returncode == 0, time.perf_counter() - start, detail))
+            if site_tests:
+                # the newest tier's tests run beside the site tests too, then the site tests' output follows
+                if args.newest:
+                    results += check_newest(args, extra, newest)
+                (returncode, detail), TIMINGS["site tests"] = site_tests[0].result()
+                results.append(("site tests", returncode == 0, site_tests[0].seconds,
+                                f"{detail}; began when the build ended, beside the other tests"))
         else:  # after the build; without a site the site tests would only rebuild and fail the same way
             say("pytest: unit tests, doctests, docs blocks" + (", built-site tests" if build_ok else ""))
             start = time.perf_counter()
@@ -610,7 +641,7 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         if not build_ok:
             results.append(("site tests", False, 0.0, "not run: the strict build failed"))
 
-    if args.newest:
+    if args.newest and not any(name == "newest tests" for name, *_ in results):
         results += check_newest(args, extra, newest)
     if not CHROMIUM.exists() and not require_browser:
         results.append(("browser", None, 0.0, f"no {CHROMIUM}: `sudo apt-get install chromium`"))

@@ -3,9 +3,10 @@
 When ``ATTENTION_REF_BUILD_RECORD`` names a file (``python3 dev.py check`` sets it for its
 strict build), ``mkdocs build`` writes there, as JSON:
 
-- ``pages``: per page (its path under ``docs/``), the seconds it took to render (its blocks and
-  its Markdown) and, per executed block in order, the line of its fence, its session, the
-  seconds it ran and what it printed (markdown-exec's output, exactly as the page shows it);
+- ``pages``: per page (its path under ``docs/``), the seconds it took to render (its Markdown, and
+  its blocks wherever they ran: with build workers, docs/hooks/reload.py, the seconds a worker
+  ran them) and, per executed block in order, the line of its fence, its session, the seconds it
+  ran and what it printed (markdown-exec's output, exactly as the page shows it);
 - ``seconds``: the whole build; ``threads``: torch's threads while the blocks ran.
 
 The tests read the build's outputs instead of running the pages a second time
@@ -28,7 +29,7 @@ from pathlib import Path
 ENV = "ATTENTION_REF_BUILD_RECORD"
 log = logging.getLogger(f"mkdocs.hooks.{__name__}")
 
-_state: dict = {"on": False, "start": 0.0, "page": None, "page_start": 0.0, "runs": [], "pages": {}}
+_state: dict = {"on": False, "start": 0.0, "page": None, "page_start": 0.0, "runs": [], "waits": 0.0, "pages": {}}
 
 
 def _fences():
@@ -63,7 +64,11 @@ def _install() -> None:
                       f", line {line}," if line else "", session)
             _state["runs"].append((session, code, None, time.perf_counter() - start))
             raise
-        _state["runs"].append((session, code, output, time.perf_counter() - start))
+        wall = time.perf_counter() - start
+        # how long it ran: the wall time here, or the worker's seconds when a worker ran it (reload.py)
+        ran = getattr(run, "last_seconds", None)
+        _state["runs"].append((session, code, output, wall if ran is None else ran))
+        _state["waits"] += wall - (wall if ran is None else ran)
         return output
 
     recording_run._attention_ref_build_record = True
@@ -91,14 +96,16 @@ def on_startup(command, **kwargs) -> None:
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
     if _state["on"]:
         _install()
-        _state.update(page=page, page_start=time.perf_counter(), runs=[])
+        _state.update(page=page, page_start=time.perf_counter(), runs=[], waits=0.0)
     return markdown
 
 
 def on_page_content(html: str, page, **kwargs) -> str:
     if not _state["on"] or _state["page"] is not page:
         return html
-    seconds = time.perf_counter() - _state["page_start"]
+    # its Markdown and the seconds its blocks ran (in a worker process, they ran ahead: the wait for
+    # them is not the page's cost)
+    seconds = time.perf_counter() - _state["page_start"] - _state["waits"]
     path = Path(page.file.abs_src_path)
     blocks = _fences().find_blocks(path) if path.is_file() else []
     pending = list(_state["runs"])

@@ -21,7 +21,15 @@ Sessions that read source text themselves (`inspect`, `__doc__`, `help(`) are ke
 package's text instead. Before each build, the sessions with a stale block are sent to a
 worker process (serve_workers.py), which runs them while this process renders the pages; a
 block then takes its output from the worker's run (or runs here, if the worker could not run
-it). `mkdocs build` (CI, the tests, publishing) never uses the cache or the workers.
+it). `mkdocs build` (CI, the tests, publishing) never uses the cache.
+
+`mkdocs build` uses worker processes only when ``ATTENTION_REF_BUILD_WORKERS`` is a positive
+number (``python3 dev.py check`` sets it): every session that lies on one page, has no
+``workdir`` and draws no explorer (the notebook hook draws its static picture from the session's
+namespace, which must then be this process's) is sent to the workers in the order of the
+navigation, each in a fresh namespace, and the build takes their outputs as it reaches each
+block; the other sessions run here as usual. A block that raises in a worker runs again here,
+after the earlier blocks of its session, so its error is reported as without workers.
 """
 
 from __future__ import annotations
@@ -56,6 +64,11 @@ import serve_workers  # noqa: E402
 WORKERS = int(os.environ.get("ATTENTION_REF_SERVE_WORKERS", "1"))
 
 
+#: Worker processes that run the pages' sessions ahead of `mkdocs build` (0: none; see above).
+#: Each keeps torch's default threads, which OMP_NUM_THREADS sets (dev.py: as many as a test worker).
+BUILD_WORKERS = int(os.environ.get("ATTENTION_REF_BUILD_WORKERS", "0") or 0)
+
+
 def _clear_markdown_exec_sessions() -> int:
     try:  # a private module of markdown-exec (checked with 1.12): fail loudly if it moves
         from markdown_exec._internal.formatters import python as formatter
@@ -83,6 +96,9 @@ def on_startup(command, **kwargs) -> None:
         # re-importing an edited module would write its .pyc into attention_ref/__pycache__,
         # which `watch:` sees as another change: one edit would trigger two rebuilds
         sys.dont_write_bytecode = True
+    elif command == "build" and BUILD_WORKERS > 0:
+        _BUILD["on"] = True
+        _install_build_ahead()
 
 
 def on_pre_build(config, **kwargs) -> None:
@@ -233,24 +249,28 @@ def _pool() -> ProcessPoolExecutor | None:
     return _POOL["executor"]
 
 
-def _sessions(docs_dir: Path) -> list[tuple[str | None, list[str]]]:
+def _sessions(docs_dir: Path, order: list[Path] | None = None,
+              keep_here: tuple[str, ...] = ()) -> list[tuple[str | None, list[str]]]:
     """Every session of the site with the code of its blocks, as markdown-exec receives it (a
-    block without a session is a session of its own). Sessions that span pages, or run in
-    another directory, are left to the server process."""
+    block without a session is a session of its own), the pages of ``order`` first, in that
+    order. Sessions that span pages, run in another directory, or have a block whose code holds
+    one of ``keep_here`` are left to the server process."""
     fences = serve_workers.fences()
     groups: dict[object, tuple[str | None, list[str]]] = {}
     pages: dict[str, set[Path]] = {}
     unsafe: set[str] = set()
-    for page in sorted(docs_dir.rglob("*.md")):
+    rank = {path: i for i, path in enumerate(order or [])}
+    for page in sorted(docs_dir.rglob("*.md"), key=lambda path: (rank.get(path, len(rank)), path)):
         if "hooks" in page.relative_to(docs_dir).parts:
             continue
         for index, block in enumerate(fences.find_blocks(page)):
             code = block.code.removesuffix("\n")  # markdown-exec gets the fence without it
             if block.session is None:
-                groups[page, index] = (None, [code])
+                if not any(token in code for token in keep_here):
+                    groups[page, index] = (None, [code])
                 continue
             pages.setdefault(block.session, set()).add(page)
-            if block.workdir:
+            if block.workdir or any(token in code for token in keep_here):
                 unsafe.add(block.session)
             groups.setdefault(block.session, (block.session, []))[1].append(code)
     unsafe |= {session for session, where in pages.items() if len(where) > 1}
@@ -363,6 +383,7 @@ def _install_block_cache() -> None:
 
 
 def on_post_build(config, **kwargs) -> None:
+    _build_post(config)
     state = _CACHE_STATE
     for future, _ in state["ahead"].values():  # predicted but never asked for
         future.cancel()
@@ -381,3 +402,85 @@ def on_shutdown(**kwargs) -> None:
     if _POOL["executor"] is not None:
         _POOL["executor"].shutdown(wait=False, cancel_futures=True)
         _POOL["executor"] = None
+
+
+# ---- `mkdocs build` with worker processes -----------------------------------------------------
+
+_BUILD: dict = {"on": False, "executor": None, "ahead": {}, "pending": {}, "worker_runs": 0,
+                "worker_seconds": 0.0, "waited": 0.0, "here": 0}
+
+
+def on_nav(nav, config, files, **kwargs):
+    """Under `mkdocs build` with workers: send the sessions to them, in the navigation's order
+    (the order the build reaches them)."""
+    if not _BUILD["on"]:
+        return nav
+    hooks = str(Path(__file__).parent)  # as in _run_ahead: the spawned workers import serve_workers by name
+    if hooks not in sys.path:
+        sys.path.append(hooks)
+    if _BUILD["executor"] is None:
+        _BUILD["executor"] = ProcessPoolExecutor(
+            BUILD_WORKERS, mp_context=multiprocessing.get_context("spawn"),
+            initializer=serve_workers.init_worker, initargs=(None, False))
+    order = [Path(page.file.abs_src_path) for page in nav.pages]
+    ahead: dict[tuple[str | None, str], list] = {}
+    sessions = _sessions(Path(config["docs_dir"]), order, keep_here=("explorer_html",))
+    for session, codes in sessions:
+        future = _BUILD["executor"].submit(serve_workers.run_session, 0, session, codes, os.getcwd())
+        for index, code in enumerate(codes):
+            ahead.setdefault((session, code), []).append((future, index))
+    _BUILD.update(ahead=ahead, pending={}, worker_runs=0, worker_seconds=0.0, waited=0.0, here=0)
+    log.info("reload hook: %d sessions sent to %d worker processes", len(sessions), BUILD_WORKERS)
+    return nav
+
+
+def _install_build_ahead() -> None:
+    """Wrap markdown-exec's runner: a block's output from the worker that ran its session, else
+    (no worker ran it, or it raised there) run here, after the earlier blocks of its session.
+    ``last_seconds`` on the wrapper: how long the block ran, wherever it ran (build_record.py)."""
+    from markdown_exec._internal.formatters import python as formatter
+
+    run = formatter._run_python
+
+    def ahead_run(code, returncode=None, session=None, id=None, **extra):  # noqa: A002
+        queue = _BUILD["ahead"].get((session or None, code))
+        if queue:
+            future, index = queue.pop(0)
+            start = time.perf_counter()
+            try:
+                results = future.result()
+            except Exception as error:  # noqa: BLE001 - a crashed worker: run it here
+                log.info("reload hook: a worker process failed (%s); the block runs here", error)
+                results = []
+            _BUILD["waited"] += time.perf_counter() - start
+            if index < len(results) and results[index][1] is None:
+                output, _, _, seconds = results[index]
+                if session:  # not run here: remember it in case a later block of the session must be
+                    _BUILD["pending"].setdefault(session, []).append((code, extra))
+                _BUILD["worker_runs"] += 1
+                _BUILD["worker_seconds"] += seconds
+                ahead_run.last_seconds = seconds
+                return output
+        if session:  # bring the session's namespace here up to date first
+            for earlier_code, earlier_extra in _BUILD["pending"].pop(session, []):
+                run(earlier_code, session=session, **earlier_extra)
+        start = time.perf_counter()
+        try:
+            return run(code, returncode, session, id, **extra)
+        finally:
+            _BUILD["here"] += 1
+            ahead_run.last_seconds = time.perf_counter() - start
+
+    ahead_run.last_seconds = 0.0
+    formatter._run_python = ahead_run
+
+
+def _build_post(config, **kwargs) -> None:
+    if not _BUILD["on"]:
+        return
+    log.info("reload hook: %d blocks ran in %d worker processes (%.1f s of work, %.1f s waited for), "
+             "%d here", _BUILD["worker_runs"], BUILD_WORKERS, _BUILD["worker_seconds"], _BUILD["waited"],
+             _BUILD["here"])
+    if _BUILD["executor"] is not None:
+        _BUILD["executor"].shutdown(wait=True, cancel_futures=True)
+        _BUILD["executor"] = None

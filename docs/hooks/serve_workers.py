@@ -129,17 +129,19 @@ def fences():
 _WORKER = {"generation": None}
 
 
-def init_worker(threads: int | None = None) -> None:
-    """Run once in each worker: record the package's calls; with ``threads``, let torch use
-    that many threads (None keeps its default, the number `mkdocs build` uses: with another
-    number its sums may add in another order, and a page's last printed digit could differ)."""
+def init_worker(threads: int | None = None, record: bool = True) -> None:
+    """Run once in each worker: record the package's calls (unless ``record`` is False: `mkdocs
+    build`'s workers only run the pages); with ``threads``, let torch use that many threads (None
+    keeps its default, the number `mkdocs build` uses: with another number its sums may add in
+    another order, and a page's last printed digit could differ)."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     setattr(builtins, RECORD, set())
-    sys.meta_path.insert(0, RecordingFinder())
+    if record:
+        sys.meta_path.insert(0, RecordingFinder())
 
 
 def forget_package() -> None:
@@ -171,6 +173,9 @@ def run_session(generation: int, session: str | None, codes: list[str], cwd: str
     if session is not None:
         formatter._sessions_globals.pop(session, None)
     os.chdir(cwd)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # as docs/hooks/isolation.py before each page: a session is one page's
+        torch.set_printoptions(profile="default")
     calls: set[tuple[str, str]] = set()
     results = []
     for code in codes:
