@@ -507,7 +507,8 @@ def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], 
 #: line). The shown-code test reads the build's outputs (docs/hooks/build_record.py), so it runs after
 #: the build, with the site tests.
 RUN_BY_THE_BUILD = ["--ignore=tests/docs/pages.txt"]
-AFTER_THE_BUILD = ["tests/site", "tests/docs/test_shown_code.py"]
+AFTER_THE_BUILD = ["tests/docs/test_shown_code.py", "tests/site"]  # in this order: --doctest-modules imports
+# tests/site/conftest.py as a module named conftest, which must then be the conftest pytest loaded last
 
 
 def build_env(args: argparse.Namespace, extra: list[str], env: dict[str, str]) -> dict[str, str]:
@@ -601,7 +602,7 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
                 tests_start = time.perf_counter()
                 say("pytest, beside the build: unit tests, doctests (the pages' blocks run in the build)")
                 junit = Path(tmp) / "junit.xml"
-                returncode, detail = run_pytest(args, extra, env, ["--ignore=tests/site", *RUN_BY_THE_BUILD,
+                returncode, detail = run_pytest(args, extra, env, [*RUN_BY_THE_BUILD,
                                                                    *(f"--ignore={p}" for p in AFTER_THE_BUILD)], junit)
                 TIMINGS["pytest"] = file_seconds(junit)
                 results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start, detail)]

@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,16 +50,56 @@ def run_check(commit: str) -> tuple[dict, float, int]:
         report = Path(tmp) / "report.json"
         env = dict(os.environ, CI="true", ATTENTION_REF_CHECK_REPORT=str(report))
         start = time.perf_counter()
-        code = subprocess.run(["bash", ".ci/run"], cwd=clone, env=env, stdin=subprocess.DEVNULL).returncode
+        lines = []
+        with subprocess.Popen(["bash", ".ci/run"], cwd=clone, env=env, stdin=subprocess.DEVNULL, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as check:
+            for line in check.stdout:  # shown as it comes, and kept for a commit that writes no report
+                print(line, end="", flush=True)
+                lines.append(line)
+        code = check.returncode
         seconds = time.perf_counter() - start
-        if not report.is_file():
-            raise SystemExit(f"the check wrote no report (exit {code}): see its output above")
-        return json.loads(report.read_text()), seconds, code
+        output = "".join(lines)
+        if report.is_file():
+            parsed = json.loads(report.read_text())
+        else:
+            parsed = parse_summary(output)
+        if parsed is not None:
+            # mkdocs' own figure for the build: the one both an older commit and this one print (an older
+            # dev.py's build row ran on until the tests beside the build ended)
+            built = re.findall(r"Documentation built in ([\d.]+) seconds", output)
+            parsed["mkdocs_build_seconds"] = float(built[-1]) if built else None
+            return parsed, seconds, code
+        raise SystemExit(f"the check wrote no report and printed no summary (exit {code}): see its output above")
+
+
+def parse_summary(output: str) -> dict | None:
+    """The report of a check that predates ATTENTION_REF_CHECK_REPORT, read from the summary table
+    ``dev.py check`` prints last (``  name  ok|FAILED|skipped  seconds s   detail``); no per-file timings."""
+    row = re.compile(r"^  (\S.{0,12}?)\s+(ok|FAILED|skipped)\s+([\d.]+) s(?:   (.*))?$")
+    table = output[output.rfind("[dev] summary"):] if "[dev] summary" in output else ""
+    phases, total = [], None
+    for line in table.splitlines():
+        match = row.match(line)
+        if match is None:
+            continue
+        name, status, seconds, detail = match.group(1).strip(), match.group(2), float(match.group(3)), match.group(4)
+        if name == "total":
+            total = (status == "ok", seconds)
+        else:
+            phases.append({"name": name, "ok": None if status == "skipped" else status == "ok", "seconds": seconds,
+                           "detail": detail or ""})
+    if total is None:
+        return None
+    return {"ok": total[0], "total_seconds": total[1], "phases": phases, "timings": {},
+            "read_from": "the summary table of the check's output (this commit writes no report)"}
 
 
 def phases(report: dict) -> dict[str, float]:
-    """Phase name -> seconds, the total included."""
-    return {**{p["name"]: p["seconds"] for p in report["phases"]}, "total": report["total_seconds"]}
+    """Phase name -> seconds, the total and mkdocs' own build figure included."""
+    named = {**{p["name"]: p["seconds"] for p in report["phases"]}, "total": report["total_seconds"]}
+    if report.get("mkdocs_build_seconds") is not None:
+        named["mkdocs build (its own figure)"] = report["mkdocs_build_seconds"]
+    return named
 
 
 def compare(result: dict, baseline: dict) -> dict[str, float | None]:
@@ -106,7 +147,7 @@ def main() -> int:
     for name, seconds in phases(report).items():
         ratio = result.get("baseline", {}).get("ratios", {}).get(name)
         beside = f"   baseline {theirs[name]:7.1f} s   ratio {ratio:.2f}" if ratio is not None else ""
-        print(f"  {name:<14} {seconds:7.1f} s{beside}")
+        print(f"  {name:<30} {seconds:7.1f} s{beside}")
     for name, seconds in report.get("timings", {}).items():
         print(f"  slowest in {name}: " + ", ".join(f"{k} {v:.0f} s" for k, v in list(seconds.items())[:5]))
     out = Path(args.out) if args.out else RESULTS / f"{datetime.date.today()}-{commit[:10]}.json"
