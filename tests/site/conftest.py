@@ -14,10 +14,18 @@
 - ``browser``: Playwright's Chromium from /usr/bin/chromium (Playwright never downloads a
   browser here). Without Chromium the browser tests skip with the install command, or fail
   when ATTENTION_REF_REQUIRE_BROWSER=1.
-- ``page``: a fresh browser page recording ``page.console_errors`` (console errors and uncaught
+- ``open_page``: ``with open_page(viewport) as page:`` a page in a fresh browser context (its
+  own cookies, storage and cache), recording ``page.console_errors`` (console errors and uncaught
   exceptions), ``page.requests`` (every requested URL) and ``page.failed_responses``
-  (``"status URL"`` of each response >= 400). Requests that would leave 127.0.0.1 are recorded
-  and aborted.
+  (``"status URL"`` of each response >= 400). Requests that would leave the local server are
+  recorded and aborted: only they are routed (a URL pattern that the browser side matches), so
+  the site's own requests never wait for a round trip through Python. ``page.settle()`` waits
+  until the page has loaded what it loads by itself (see ``settle``), in place of Playwright's
+  ``networkidle`` (which always waits 500 ms more).
+  ``page.visit(url)`` empties storage, cookies and the records, then loads ``url``.
+- ``tabs``: ``tabs(viewport)`` is one such page per viewport for the whole session, to load many
+  pages one after another with ``visit`` (a new context per load costs a new renderer process).
+- ``page``: ``open_page()`` at Playwright's default viewport, for one test.
 - ``instant_navigate``: ``instant_navigate(url)`` follows a link to ``url`` the way a reader
   clicks one, and returns whether Material's instant navigation swapped the page in (True)
   rather than reloading it.
@@ -25,10 +33,14 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -105,35 +117,135 @@ def browser():
         chromium.close()
 
 
+def outside(site_url: str) -> re.Pattern:
+    """URLs (http, https, ws, wss) of any host and port but the local server's. A plain regex:
+    Playwright hands it to the browser side, which matches each request without asking Python."""
+    parts = urllib.parse.urlsplit(site_url)
+    port = parts.port or 80
+    # the browser writes http://127.0.0.1:80/ as http://127.0.0.1/
+    local = re.escape(parts.hostname) + (f"(?::{port})?" if port == 80 else f":{port}")
+    return re.compile(r"^(?:https?|wss?)://(?!" + local + r"(?:[/?#]|$))", re.IGNORECASE)
+
+
+#: Seconds with no request starting or ending before the page counts as done loading: what
+#: Material, the search worker and the widgets fetch after the load event (sitemap.xml, the search
+#: index, a model's weights after its manifest) follows within milliseconds of what came before.
+QUIET_S = 0.25
+#: The fonts (KaTeX's) have loaded, and two frames have been drawn since, so that what reacts to
+#: them (layout, ResizeObserver callbacks such as docs/javascripts/wide.js) has run.
+FONTS_AND_FRAMES = """() => document.fonts.ready.then(() => new Promise(
+  done => requestAnimationFrame(() => requestAnimationFrame(done))))"""
+
+
+def settle(page, timeout_s: float = 15.0) -> None:
+    """Wait until ``page`` has loaded what it loads by itself after its load event: its fonts
+    are in and laid out, no request of its is in flight, and none started or ended in the last
+    ``QUIET_S`` seconds. Raises TimeoutError naming the requests still in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        page.evaluate(FONTS_AND_FRAMES)
+        quiet = time.monotonic() - page.last_network_event
+        if not page.in_flight and quiet >= QUIET_S:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{page.url}: still loading after {timeout_s:.0f} s: "
+                               f"{sorted(page.in_flight)[:5]}")
+        page.wait_for_timeout(1000 * max(0.02, QUIET_S - quiet))
+
+
+@pytest.fixture(scope="session")
+def open_page(browser, site_url: str):
+    """``with open_page(viewport) as page:`` a recorded page in a fresh context (module docstring)."""
+    blocked = outside(site_url)
+
+    @contextlib.contextmanager
+    def opened(viewport: dict | None = None):
+        context = browser.new_context(**({"viewport": viewport} if viewport else {}))
+        try:
+            page = context.new_page()
+            page.set_default_timeout(15_000)
+            page.console_errors, page.requests, page.failed_responses = [], [], []
+            page.in_flight = collections.Counter()  # URL -> requests of it not yet finished or failed
+            page.last_network_event = time.monotonic()
+
+            def started(request):
+                page.requests.append(request.url)
+                page.in_flight[request.url] += 1
+                page.last_network_event = time.monotonic()
+
+            def ended(request):
+                page.in_flight[request.url] -= 1
+                page.in_flight = +page.in_flight  # keeps the URLs above zero
+                page.last_network_event = time.monotonic()
+
+            def on_console(message):
+                if message.type == "error":
+                    page.console_errors.append(f"{page.url}: console error: {message.text}")
+
+            def visit(url: str) -> None:
+                """Load ``url`` as a fresh context would: storage, cookies and records emptied first
+                (routing keeps the HTTP cache off)."""
+                if page.url.startswith(site_url):
+                    page.evaluate("localStorage.clear(); sessionStorage.clear()")
+                context.clear_cookies()
+                for record in (page.console_errors, page.requests, page.failed_responses, page.in_flight):
+                    record.clear()
+                page.goto(url)
+
+            page.on("console", on_console)
+            page.on("pageerror", lambda error: page.console_errors.append(f"{page.url}: uncaught: {error}"))
+            page.on("request", started)
+            page.on("requestfinished", ended)
+            page.on("requestfailed", ended)
+            page.on("response", lambda response: response.status >= 400
+                    and page.failed_responses.append(f"{response.status} {response.url}"))
+            page.route(blocked, lambda route: route.abort())  # offline: recorded in page.requests, never sent
+            page.settle = lambda: settle(page)
+            page.visit = visit
+            yield page
+        finally:
+            context.close()
+
+    return opened
+
+
+class Tabs:
+    """One recorded page per viewport, kept for the whole session to load page after page with
+    ``tab.visit(url)``: a fresh context per load would cost a new renderer process each time."""
+
+    def __init__(self, open_page) -> None:
+        self.open_page, self.opened = open_page, {}
+
+    def __call__(self, viewport: dict):
+        key = (viewport["width"], viewport["height"])
+        if key not in self.opened:
+            stack = contextlib.ExitStack()
+            self.opened[key] = (stack, stack.enter_context(self.open_page(viewport)))
+        return self.opened[key][1]
+
+    def drop(self, viewport: dict) -> None:
+        """Close the page of ``viewport`` (after a load failed): the next call opens a new one."""
+        stack, _ = self.opened.pop((viewport["width"], viewport["height"]), (None, None))
+        if stack:
+            stack.close()
+
+    def close(self) -> None:
+        for stack, _ in self.opened.values():
+            stack.close()
+        self.opened.clear()
+
+
+@pytest.fixture(scope="session")
+def tabs(open_page):
+    tabs = Tabs(open_page)
+    yield tabs
+    tabs.close()
+
+
 @pytest.fixture
-def page(browser, site_url: str):
-    context = browser.new_context()  # fresh profile state: cookies, storage, cache
-    page = context.new_page()
-    page.set_default_timeout(15_000)
-    page.console_errors = []
-    page.requests = []
-    page.failed_responses = []
-    local = urllib.parse.urlsplit(site_url).netloc
-
-    def on_console(message):
-        if message.type == "error":
-            page.console_errors.append(f"{page.url}: console error: {message.text}")
-
-    def route(route):
-        url = urllib.parse.urlsplit(route.request.url)
-        if url.scheme in ("http", "https", "ws", "wss") and url.netloc != local:
-            route.abort()  # offline: recorded in page.requests, never sent
-        else:
-            route.continue_()
-
-    page.on("console", on_console)
-    page.on("pageerror", lambda error: page.console_errors.append(f"{page.url}: uncaught: {error}"))
-    page.on("request", lambda request: page.requests.append(request.url))
-    page.on("response", lambda response: response.status >= 400
-            and page.failed_responses.append(f"{response.status} {response.url}"))
-    page.route("**/*", route)
-    yield page
-    context.close()
+def page(open_page):
+    with open_page() as page:
+        yield page
 
 
 @pytest.fixture
@@ -146,7 +258,7 @@ def instant_navigate(page):
         page.evaluate("""url => { const a = document.createElement('a'); a.href = url;
             a.textContent = 'go'; document.body.append(a); a.click(); }""", url)
         page.wait_for_url(url)
-        page.wait_for_load_state("networkidle")
+        page.settle()
         return page.evaluate("window.__before_navigation === true")
 
     return navigate

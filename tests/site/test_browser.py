@@ -3,19 +3,30 @@
 Every page (one test per Markdown page) loads with no console error, no failed request and no
 request to another host; its math is typeset by KaTeX; pages whose executed blocks inline a
 figure (``to_svg(``) show an SVG. Instant navigation keeps working (math typeset after it) and
-the search finds a page offline.
+the search finds a page offline. At 390 px (a phone) and 1280 px, figures, formulas, tables, code
+and per-head grids fit or scroll in their own box, and figures carry captions; at 1280 px nothing
+on a teaching page is clipped (tests/site/test_teaching.py has that file's other checks).
+
+Each page is loaded once per width it is checked at, for all the checks of that page and width
+(``page_shown``): a load runs the script (``probe``) of every check that covers that page and
+width, and each test reads what its script returned. So every check keeps its own test, named
+for the check and parametrized by page and width, and its message names both too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
 import sys
 import urllib.parse
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
+from playwright.sync_api import Error as PlaywrightError
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -62,15 +73,111 @@ UNTYPESET_MATH = """() => [...document.querySelectorAll('.arithmatex')]
   .map(el => el.outerHTML.slice(0, 160))"""
 
 
-def assert_clean(page, site_url: str) -> None:
-    """No console error, no failed response, no request that leaves the local server."""
+#: The viewport of each width a page is checked at: a phone, and a laptop.
+PHONE, DESKTOP = 390, 1280
+VIEWPORTS = {PHONE: {"width": PHONE, "height": 844}, DESKTOP: {"width": DESKTOP, "height": 900}}
+
+
+class Probe(NamedTuple):
+    script: str  # a JavaScript function of no argument; what it returns is kept
+    sources: frozenset[str]
+    widths: frozenset[int]
+    details_open: bool  # run after every <details> of the page has been opened
+
+
+#: Every check's script, by name, in the order a load runs them (those with details closed first).
+PROBES: dict[str, Probe] = {}
+
+
+def probe(name: str, script: str, sources: Iterable[str], widths: Iterable[int],
+          details_open: bool = False) -> str:
+    """Have every load of a page of ``sources`` at a width of ``widths`` run ``script`` for the
+    check ``name``: ``page_shown(source, width)[name]`` is what it returned. Call it at import,
+    before any page loads (pytest imports every test module before it runs a test)."""
+    assert name not in PROBES, f"probe {name!r} registered twice"
+    PROBES[name] = Probe(script, frozenset(sources), frozenset(widths), details_open)
+    return name
+
+
+@dataclasses.dataclass
+class Shown:
+    """What a page showed at one width: its requests, errors and the results of its probes."""
+
+    source: str
+    width: int
+    url: str
+    requests: list[str]
+    failed_responses: list[str]
+    console_errors: list[str]
+    math_typeset: bool  # every formula had been typeset within 15 s of the load event
+    results: dict[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.results:
+            raise KeyError(f"probe {name!r} did not run on {self.source} at {self.width} px "
+                           f"(its sources and widths leave this out)")
+        return self.results[name]
+
+
+ALL_MATH_TYPESET = """() => [...document.querySelectorAll('.arithmatex')]
+  .every(el => el.querySelector('.katex'))"""
+OPEN_DETAILS = "document.querySelectorAll('article details').forEach(d => d.open = true)"
+_SHOWN: dict[tuple[str, str, int], Shown | str] = {}  # (site URL, source, width) -> Shown, or why not
+
+
+def _load(page, site_url: str, source: str, width: int) -> Shown:
+    page.visit(site_url + page_path(source))
+    try:
+        page.wait_for_function(ALL_MATH_TYPESET)
+        math_typeset = True
+    except PlaywrightError:  # a timeout: the checks say which formulas
+        math_typeset = False
+    page.settle()
+    due = {name: p for name, p in PROBES.items() if source in p.sources and width in p.widths}
+    results = {name: page.evaluate(p.script) for name, p in due.items() if not p.details_open}
+    # requests and errors as of now, before the collapsibles open (as test_page saw them alone)
+    shown = Shown(source, width, page.url, list(page.requests), list(page.failed_responses),
+                  list(page.console_errors), math_typeset, results)
+    if any(p.details_open for p in due.values()):
+        page.evaluate(OPEN_DETAILS)
+        results.update({name: page.evaluate(p.script) for name, p in due.items() if p.details_open})
+    return shown
+
+
+@pytest.fixture
+def page_shown(tabs, site_url: str, built_site: Path):
+    """``page_shown(source, width)``: what the page showed at that width (``Shown``). The first
+    call for a page and width loads it (in conftest's tab of that viewport, with storage, cookies
+    and records emptied first) and runs every probe registered for them; later calls, from any
+    test of this session, get the same record."""
+
+    def shown(source: str, width: int) -> Shown:
+        built_page(built_site, source)  # skips or fails when the page was not built
+        key = (site_url, source, width)
+        if key not in _SHOWN:
+            try:
+                _SHOWN[key] = _load(tabs(VIEWPORTS[width]), site_url, source, width)
+            except (PlaywrightError, TimeoutError) as error:
+                tabs.drop(VIEWPORTS[width])  # the next page gets a new tab
+                _SHOWN[key] = f"{type(error).__name__}: {error}"
+        if isinstance(_SHOWN[key], str):
+            pytest.fail(f"{source} at {width} px did not load: {_SHOWN[key]}", pytrace=False)
+        return _SHOWN[key]
+
+    return shown
+
+
+def assert_clean(page, site_url: str, where: str = "") -> None:
+    """No console error, no failed response, no request that leaves the local server (``page``:
+    a live page of conftest's ``open_page``, or a ``Shown``; ``where`` names it, its URL if not)."""
+    where = where or page.url
     host = urllib.parse.urlsplit(site_url).hostname
     outside = [url for url in page.requests
                if urllib.parse.urlsplit(url).scheme in ("http", "https", "ws", "wss")
                and urllib.parse.urlsplit(url).hostname != host]
-    assert not outside, f"requests that leave {host}: {outside}"
-    assert not page.failed_responses, f"failed requests: {page.failed_responses}"
-    assert not page.console_errors, "\n".join(page.console_errors)
+    assert not outside, f"{where}: requests that leave {host}: {outside}"
+    assert not page.failed_responses, f"{where}: failed requests: {page.failed_responses}"
+    assert not page.console_errors, f"{where}: console errors:\n" + "\n".join(page.console_errors)
 
 
 def assert_math_typeset(page) -> None:
@@ -82,22 +189,32 @@ def assert_math_typeset(page) -> None:
         assert not bad, f"{len(bad)} of {count} formulas not typeset on {page.url}: {bad[:5]}"
 
 
+PAGE = probe("page", """() => ({
+  articles: document.querySelectorAll('article.md-content__inner').length,
+  formulas: document.querySelectorAll('.arithmatex').length,
+  typeset: document.querySelectorAll('.arithmatex .katex').length,
+  untypeset: (%s)(),
+  svgSizes: [...document.querySelectorAll('article svg')]
+    .map(svg => svg.getBoundingClientRect()).map(r => [r.width, r.height]),
+})""" % UNTYPESET_MATH, SOURCES, [DESKTOP])
+
+
 @pytest.mark.parametrize("source", SOURCES)
-def test_page(page, site_url: str, built_site: Path, source: str):
+def test_page(page_shown, site_url: str, built_site: Path, source: str):
     html = built_page(built_site, source).read_text(encoding="utf-8")
-    page.goto(site_url + page_path(source))
-    page.wait_for_load_state("networkidle")
-    assert page.locator("article.md-content__inner").count() == 1
-    assert_clean(page, site_url)
+    shown = page_shown(source, DESKTOP)
+    found, at = shown[PAGE], f"{source} at {DESKTOP} px"
+    assert found["articles"] == 1, f"{at}: {found['articles']} article.md-content__inner, expected 1"
+    assert_clean(shown, site_url, f"{at} ({shown.url})")
     if 'class="arithmatex"' in html:
-        assert page.locator(".arithmatex").count() > 0
-        assert_math_typeset(page)
-        assert page.locator(".arithmatex .katex").count() > 0
+        assert found["formulas"] > 0, f"{at}: its HTML has math but the page shows no .arithmatex"
+        bad = found["untypeset"]
+        assert not bad, f"{at}: {len(bad)} of {found['formulas']} formulas not typeset: {bad[:5]}"
+        assert found["typeset"] > 0, f"{at}: no formula typeset by KaTeX"
     if shows_figure(source):
-        sizes = page.evaluate("""() => [...document.querySelectorAll('article svg')]
-            .map(svg => svg.getBoundingClientRect()).map(r => [r.width, r.height])""")
+        sizes = found["svgSizes"]
         figures = [s for s in sizes if s[0] >= 150 and s[1] >= 100]
-        assert figures, f"{source} runs to_svg( but shows no SVG figure (svg sizes: {sizes})"
+        assert figures, f"{at}: runs to_svg( but shows no SVG figure (svg sizes: {sizes})"
 
 
 def test_figure_detection_reads_executed_blocks(tmp_path: Path):
@@ -113,7 +230,7 @@ def test_instant_navigation_typesets_math(page, site_url: str, built_site: Path,
                  and 'class="arithmatex"' in built_page(built_site, s).read_text(encoding="utf-8")]
     assert with_math, "no page with math"
     page.goto(site_url)
-    page.wait_for_load_state("networkidle")
+    page.settle()
     target = site_url + page_path(with_math[0])
     assert instant_navigate(target), (
         f"Material reloaded {target} instead of swapping it in (instant navigation): is the "
@@ -126,7 +243,7 @@ def test_instant_navigation_typesets_math(page, site_url: str, built_site: Path,
 def test_search_finds_a_page_offline(page, site_url: str):
     query, expected = "padding_mask_from_tokens", "reference/masks/"
     page.goto(site_url)
-    page.wait_for_load_state("networkidle")
+    page.settle()
     page.locator(".md-search__input").click()
     page.locator(".md-search__input").press_sequentially(query)  # Material listens to keys
     results = page.locator(".md-search-result__item a")
@@ -145,7 +262,7 @@ FIGURE_COLOURS = """() => [...document.querySelectorAll('svg.ar-figure')].map(sv
 def test_figures_follow_the_colour_scheme(page, site_url: str):
     """A figure's background and text take the page's colours in the dark scheme, not a white slab."""
     page.goto(site_url + page_path("tutorial/09-cost.md"))
-    page.wait_for_load_state("networkidle")
+    page.settle()
     light = page.evaluate(FIGURE_COLOURS)
     assert light and all(f["background"] == "rgb(255, 255, 255)" for f in light), light
     page.evaluate("document.body.setAttribute('data-md-color-scheme', 'slate')")  # Material's dark scheme
@@ -160,19 +277,18 @@ SCROLLING_BLOCKS = """() => [...document.querySelectorAll('article pre > code')]
   .map(code => code.textContent.split('\\n').find(line => line.length > 40) || code.textContent.slice(0, 60))"""
 
 
-@pytest.mark.parametrize("source", [s for s in SOURCES if s.startswith("tutorial/")])
-def test_tutorial_code_does_not_scroll_sideways_on_a_phone(browser, site_url: str, source: str):
+TUTORIAL = [s for s in SOURCES if s.startswith("tutorial/")]
+PHONE_SCROLL = probe("phone scroll", """() => ({blocks: (%s)(),
+  pageWidth: document.documentElement.scrollWidth})""" % SCROLLING_BLOCKS, TUTORIAL, [PHONE])
+
+
+@pytest.mark.parametrize("source", TUTORIAL)
+def test_tutorial_code_does_not_scroll_sideways_on_a_phone(page_shown, source: str):
     """At 390 px (a phone), no code or output block of a tutorial page needs a sideways swipe."""
-    context = browser.new_context(viewport={"width": 390, "height": 844})
-    try:
-        phone = context.new_page()
-        phone.goto(site_url + page_path(source))
-        phone.wait_for_load_state("networkidle")
-        scrolling = phone.evaluate(SCROLLING_BLOCKS)
-        assert not scrolling, f"{len(scrolling)} blocks scroll sideways at 390 px, e.g. {scrolling[:3]}"
-        assert phone.evaluate("document.documentElement.scrollWidth") <= 390
-    finally:
-        context.close()
+    found = page_shown(source, PHONE)[PHONE_SCROLL]
+    scrolling = found["blocks"]
+    assert not scrolling, f"{source}: {len(scrolling)} blocks scroll sideways at 390 px, e.g. {scrolling[:3]}"
+    assert found["pageWidth"] <= 390, f"{source} scrolls sideways at 390 px ({found['pageWidth']} px wide)"
 
 
 WRAPPED_LINES = """() => [...document.querySelectorAll('article pre > code > span[id^="__span-"]')]
@@ -184,20 +300,16 @@ WRAPPED_LINES = """() => [...document.querySelectorAll('article pre > code > spa
   .map(line => line.textContent.trimEnd())"""
 
 
-@pytest.mark.parametrize("source", [s for s in SOURCES if re.match(r"tutorial/0[1-6]", s)])
-def test_tutorial_code_lines_fit_a_phone_unwrapped(browser, site_url: str, built_site: Path, source: str):
-    """Tutorial pages 1 to 6 are written at most 44 columns wide, code and printed output: at 390 px no
-    line of theirs wraps (a wrapped line hangs under its start with a bar, but reads worse)."""
-    built_page(built_site, source)
-    context = browser.new_context(viewport={"width": 390, "height": 844})
-    try:
-        phone = context.new_page()
-        phone.goto(site_url + page_path(source))
-        phone.wait_for_load_state("networkidle")
-        phone.evaluate("document.querySelectorAll('article details').forEach(d => d.open = true)")
-        wrapped = phone.evaluate(WRAPPED_LINES)
-    finally:
-        context.close()
+NARROW_TUTORIAL = [s for s in SOURCES if re.match(r"tutorial/0[1-6]", s)]
+WRAPPED = probe("wrapped lines", WRAPPED_LINES, NARROW_TUTORIAL, [PHONE], details_open=True)
+
+
+@pytest.mark.parametrize("source", NARROW_TUTORIAL)
+def test_tutorial_code_lines_fit_a_phone_unwrapped(page_shown, source: str):
+    """Tutorial pages 1 to 6 are written at most 44 columns wide, code and printed output: at 390 px,
+    with every collapsible (exercise, solution) opened, no line of theirs wraps (a wrapped line
+    hangs under its start with a bar, but reads worse)."""
+    wrapped = page_shown(source, PHONE)[WRAPPED]
     assert not wrapped, f"{source}: {len(wrapped)} lines wrap at 390 px, e.g. {wrapped[:3]}"
 
 
@@ -215,18 +327,21 @@ FIGURE_CAPTIONS = """() => [...document.querySelectorAll('article svg.ar-figure'
 })"""
 
 
-@pytest.mark.parametrize("source", [s for s in SOURCES if shows_figure(s) or shows_head_grid(s)])
-def test_figures_have_captions(page, site_url: str, built_site: Path, source: str):
+FIGURE_PAGES = [s for s in SOURCES if shows_figure(s) or shows_head_grid(s)]
+CAPTIONS = probe("captions", FIGURE_CAPTIONS, FIGURE_PAGES, [DESKTOP])
+
+
+@pytest.mark.parametrize("source", FIGURE_PAGES)
+def test_figures_have_captions(page_shown, source: str):
     """Every figure of every page sits in a figure with a centred caption that says what to look at."""
-    built_page(built_site, source)
-    page.goto(site_url + page_path(source))
-    page.wait_for_load_state("networkidle")
-    figures = page.evaluate(FIGURE_CAPTIONS)
-    assert figures, f"{source} runs to_svg( or head_grid_html( but shows no svg.ar-figure"
+    figures = page_shown(source, DESKTOP)[CAPTIONS]
+    at = f"{source} at {DESKTOP} px"
+    assert figures, f"{at}: runs to_svg( or head_grid_html( but shows no svg.ar-figure"
     missing = [f["label"] for f in figures if not f["caption"]]
-    assert not missing, f"{source}: figures without a <figcaption>: {missing}"
-    assert all(f["centred"] for f in figures), figures
-    assert all(f["caption"].count(" ") >= 4 for f in figures), "a caption is a sentence, not a label"
+    assert not missing, f"{at}: figures without a <figcaption>: {missing}"
+    assert all(f["centred"] for f in figures), f"{at}: captions not centred: {figures}"
+    assert all(f["caption"].count(" ") >= 4 for f in figures), (
+        f"{at}: a caption is a sentence, not a label: {[f['caption'] for f in figures]}")
 
 
 HEAD_GRIDS = """() => {
@@ -251,32 +366,28 @@ HEAD_GRIDS = """() => {
 }"""
 
 
-@pytest.mark.parametrize("source", [s for s in SOURCES if shows_head_grid(s)])
-@pytest.mark.parametrize("width", [390, 1280])
-def test_head_grids_show_two_heads_per_row_on_a_phone(browser, site_url: str, built_site: Path,
-                                                               source: str, width: int):
+HEAD_GRID_PAGES = [s for s in SOURCES if shows_head_grid(s)]
+GRIDS = probe("head grids", HEAD_GRIDS, HEAD_GRID_PAGES, [PHONE, DESKTOP])
+
+
+@pytest.mark.parametrize("source", HEAD_GRID_PAGES)
+@pytest.mark.parametrize("width", [PHONE, DESKTOP])
+def test_head_grids_show_two_heads_per_row_on_a_phone(page_shown, source: str, width: int):
     """A per-head grid shows its N heads per row on a wide screen and 2 per row at 390 px, where
     every head's text still renders at 9 px or more; each head is named for screen readers."""
-    built_page(built_site, source)
-    context = browser.new_context(viewport={"width": width, "height": 844})
-    try:
-        screen = context.new_page()
-        screen.goto(site_url + page_path(source))
-        screen.wait_for_load_state("networkidle")
-        grids = screen.evaluate(HEAD_GRIDS)
-    finally:
-        context.close()
+    grids = page_shown(source, width)[GRIDS]
     assert grids, f"{source} calls head_grid_html( but shows no .ar-head-grid"
+    at = f"{source} at {width} px"
     for grid in grids:
-        assert len(grid["labels"]) >= 2 and all(grid["labels"]), grid
-        assert len(set(grid["labels"])) == len(grid["labels"]), f"heads share a name: {grid['labels']}"
-        assert not grid["outside"], f"{grid['outside']} heads end past the column at {width} px"
-        if width == 390:
-            assert grid["perRow"] <= 2, f"{grid['perRow']} heads per row at 390 px: {grid['labels']}"
-            assert grid["smallest"] >= 9.0, f"head text renders at {grid['smallest']:.1f} px at 390 px"
+        assert len(grid["labels"]) >= 2 and all(grid["labels"]), f"{at}: unnamed heads: {grid}"
+        assert len(set(grid["labels"])) == len(grid["labels"]), f"{at}: heads share a name: {grid['labels']}"
+        assert not grid["outside"], f"{at}: {grid['outside']} heads end past the column"
+        if width == PHONE:
+            assert grid["perRow"] <= 2, f"{at}: {grid['perRow']} heads per row: {grid['labels']}"
+            assert grid["smallest"] >= 9.0, f"{at}: head text renders at {grid['smallest']:.1f} px"
         else:
-            assert grid["perRow"] == min(grid["columns"], len(grid["labels"])), grid
-            assert grid["smallest"] >= 11.0, f"head text renders at {grid['smallest']:.1f} px at 1280 px"
+            assert grid["perRow"] == min(grid["columns"], len(grid["labels"])), f"{at}: heads per row: {grid}"
+            assert grid["smallest"] >= 11.0, f"{at}: head text renders at {grid['smallest']:.1f} px"
 
 
 def shows_wide_content(source: str) -> bool:
@@ -319,36 +430,84 @@ WIDE_CONTENT = """() => {
 }"""
 
 
-@pytest.mark.parametrize("source", [s for s in SOURCES if shows_wide_content(s)])
-@pytest.mark.parametrize("width", [390, 1280])
-def test_figure_text_is_readable_and_wide_content_scrolls_in_its_own_box(browser, site_url: str,
-                                                                         built_site: Path, source: str,
+WIDE_PAGES = [s for s in SOURCES if shows_wide_content(s)]
+WIDE = probe("wide content", WIDE_CONTENT, WIDE_PAGES, [PHONE, DESKTOP])
+
+
+@pytest.mark.parametrize("source", WIDE_PAGES)
+@pytest.mark.parametrize("width", [PHONE, DESKTOP])
+def test_figure_text_is_readable_and_wide_content_scrolls_in_its_own_box(page_shown, source: str,
                                                                          width: int):
     """At 390 px (a phone) and 1280 px, every figure's smallest text renders at 9 px or more (up to
     layout rounding), and a figure or display formula wider than the column scrolls sideways inside
     its own box, which says so under it; a wider table scrolls in its own box too; the page itself
     never scrolls sideways."""
-    built_page(built_site, source)
-    context = browser.new_context(viewport={"width": width, "height": 844})
-    try:
-        screen = context.new_page()
-        screen.goto(site_url + page_path(source))
-        screen.wait_for_load_state("networkidle")
-        shown = screen.evaluate(WIDE_CONTENT)
-    finally:
-        context.close()
+    shown = page_shown(source, width)[WIDE]
+    at = f"{source} at {width} px"
     small = [(f["label"], round(f["smallest"], 2)) for f in shown["figures"] if f["smallest"] < 9.0 - 0.01]
-    assert not small, f"{source} at {width} px: figure text below 9 px: {small}"
+    assert not small, f"{at}: figure text below 9 px: {small}"
     boxes = [f["box"] for f in shown["figures"]] + shown["formulas"]
-    assert boxes or shown["tables"], f"{source}: no figure, display formula or table found"
+    assert boxes or shown["tables"], f"{at}: no figure, display formula or table found"
     for b in boxes:
-        assert b["left"] >= -1 and b["right"] <= width + 1, f"{b['what']!r} ends outside the screen: {b}"
+        assert b["left"] >= -1 and b["right"] <= width + 1, f"{at}: {b['what']!r} ends outside the screen: {b}"
         if b["wider"]:
-            assert b["scrolls"] and b["marked"], f"{b['what']!r} is cut or scrolls unannounced: {b}"
-            assert "Swipe sideways" in b["note"], b
+            assert b["scrolls"] and b["marked"], f"{at}: {b['what']!r} is cut or scrolls unannounced: {b}"
+            assert "Swipe sideways" in b["note"], f"{at}: {b['what']!r} scrolls with no note under it: {b}"
         else:
-            assert not b["marked"], f"{b['what']!r} fits but says to swipe: {b}"
+            assert not b["marked"], f"{at}: {b['what']!r} fits but says to swipe: {b}"
     for t in shown["tables"]:  # Material puts each table in a box of its own that scrolls
         if t["right"] > width:
-            assert t["scrolls"] and t["wrapRight"] <= width + 1, f"table {t['what']!r} is cut: {t}"
-    assert shown["pageWidth"] <= width, f"{source} scrolls sideways at {width} px"
+            assert t["scrolls"] and t["wrapRight"] <= width + 1, f"{at}: table {t['what']!r} is cut: {t}"
+    assert shown["pageWidth"] <= width, f"{at}: the page scrolls sideways ({shown['pageWidth']} px wide)"
+
+
+# The teaching pages (tests/site/test_teaching.py): the home page, tutorial, how-to, inference,
+# explanation and contributors' pages.
+TEACHING = [s for s in SOURCES
+            if s == "index.md" or s.startswith(("tutorial/", "howto/", "inference/", "explanation/", "contributors/"))]
+MIN_FIGURE_TEXT_PX = 7.0
+
+
+MEASURE = """() => {
+  document.querySelectorAll('article details').forEach(d => d.open = true);
+  const article = document.querySelector('article.md-content__inner');
+  const right = article.getBoundingClientRect().right + 1;
+  const describe = el => (el.closest('.highlight, .arithmatex, table, pre, svg') || el)
+      .textContent.trim().replace(/\\s+/g, ' ').slice(0, 70);
+  const wide = [];
+  for (const el of article.querySelectorAll('pre > code, div.arithmatex, table, svg, .highlight')) {
+    const box = el.getBoundingClientRect();
+    if (!box.width) continue;
+    if (el.scrollWidth > el.clientWidth + 1 && getComputedStyle(el).overflowX !== 'visible')
+      wide.push(`${el.tagName.toLowerCase()} scrolls ${el.scrollWidth}px in ${el.clientWidth}px: ${describe(el)}`);
+    else if (box.right > right)
+      wide.push(`${el.tagName.toLowerCase()} ends ${Math.round(box.right - right)}px past the column: ${describe(el)}`);
+  }
+  const small = [];
+  let smallest = Infinity;
+  for (const t of article.querySelectorAll('svg text')) {
+    if (!t.getClientRects().length || !t.textContent.trim()) continue;
+    const m = t.getScreenCTM();
+    const px = parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b);
+    smallest = Math.min(smallest, px);
+    if (px < %(min)s) small.push(`${px.toFixed(1)}px "${t.textContent.trim().slice(0, 20)}"`);
+  }
+  return {wide, small, smallest, column: article.getBoundingClientRect().width};
+}""" % {"min": MIN_FIGURE_TEXT_PX}
+
+
+CLIPPED = probe("clipped", MEASURE, TEACHING, [DESKTOP], details_open=True)
+
+
+@pytest.mark.parametrize("source", TEACHING)
+def test_nothing_clipped_and_figure_text_readable_at_1280px(page_shown, source: str):
+    """On a teaching page at 1280 px, with every collapsible (exercise, solution) opened, no code
+    block, output block, formula or table is wider than its column (nothing scrolls sideways) and
+    no figure text renders below 7 px."""
+    shown = page_shown(source, DESKTOP)
+    assert shown.math_typeset, f"{source} at 1280 px: formulas still not typeset 15 s after the page loaded"
+    found = shown[CLIPPED]
+    assert not found["wide"], (f"{source} at 1280 px: {len(found['wide'])} blocks wider than the "
+                               f"{found['column']:.0f}px column:\n" + "\n".join(found["wide"]))
+    assert not found["small"], (f"{source} at 1280 px: {len(found['small'])} figure texts below "
+                                f"{MIN_FIGURE_TEXT_PX}px:\n" + "\n".join(found["small"][:20]))

@@ -6,7 +6,8 @@ On every teaching page (the home page, tutorial, how-to, explanation, contributo
   no block's code hides behind a "Source" tab in the built page;
 - in Chromium at 1280 px, with every collapsible (exercise, solution) opened, no code block,
   output block, formula or table is wider than its column (nothing scrolls sideways) and no
-  figure text renders below 7 px;
+  figure text renders below 7 px (``test_nothing_clipped_and_figure_text_readable_at_1280px`` in
+  tests/site/test_browser.py, which loads each page once per width for all its checks);
 
 on every page, no raw TeX reaches the navigation, the table of contents or the search index;
 and every tutorial page has at least two exercises, each with a solution that runs code, and a
@@ -22,13 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from test_browser import DOCS, SOURCES, built_page, find_blocks, page_path
+from test_browser import DOCS, SOURCES, TEACHING, built_page, find_blocks
 
-TEACHING = [s for s in SOURCES
-            if s == "index.md" or s.startswith(("tutorial/", "howto/", "inference/", "explanation/", "contributors/"))]
 TUTORIAL = [s for s in SOURCES if s.startswith("tutorial/")]
-VIEWPORT = {"width": 1280, "height": 900}
-MIN_FIGURE_TEXT_PX = 7.0
 RAW_TEX = re.compile(r"\\[(\[]|\\[a-zA-Z]+\{|\$")
 
 
@@ -134,47 +131,3 @@ def test_tutorial_page_links_its_notebook(built_site: Path, source: str):
                        html_path.read_text(encoding="utf-8"))
     assert len(links) == 1, f"{source}: expected one notebook link at the top, got {links}"
     assert (html_path.parent / links[0]).is_file(), f"{source}: {links[0]} was not built"
-
-
-MEASURE = """() => {
-  document.querySelectorAll('article details').forEach(d => d.open = true);
-  const article = document.querySelector('article.md-content__inner');
-  const right = article.getBoundingClientRect().right + 1;
-  const describe = el => (el.closest('.highlight, .arithmatex, table, pre, svg') || el)
-      .textContent.trim().replace(/\\s+/g, ' ').slice(0, 70);
-  const wide = [];
-  for (const el of article.querySelectorAll('pre > code, div.arithmatex, table, svg, .highlight')) {
-    const box = el.getBoundingClientRect();
-    if (!box.width) continue;
-    if (el.scrollWidth > el.clientWidth + 1 && getComputedStyle(el).overflowX !== 'visible')
-      wide.push(`${el.tagName.toLowerCase()} scrolls ${el.scrollWidth}px in ${el.clientWidth}px: ${describe(el)}`);
-    else if (box.right > right)
-      wide.push(`${el.tagName.toLowerCase()} ends ${Math.round(box.right - right)}px past the column: ${describe(el)}`);
-  }
-  const small = [];
-  let smallest = Infinity;
-  for (const t of article.querySelectorAll('svg text')) {
-    if (!t.getClientRects().length || !t.textContent.trim()) continue;
-    const m = t.getScreenCTM();
-    const px = parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b);
-    smallest = Math.min(smallest, px);
-    if (px < %(min)s) small.push(`${px.toFixed(1)}px "${t.textContent.trim().slice(0, 20)}"`);
-  }
-  return {wide, small, smallest, column: article.getBoundingClientRect().width};
-}""" % {"min": MIN_FIGURE_TEXT_PX}
-
-
-@pytest.mark.parametrize("source", TEACHING)
-def test_nothing_clipped_and_figure_text_readable_at_1280px(page, site_url: str, built_site: Path,
-                                                           source: str):
-    built_page(built_site, source)
-    page.set_viewport_size(VIEWPORT)
-    page.goto(site_url + page_path(source))
-    page.wait_for_load_state("networkidle")
-    page.wait_for_function("() => [...document.querySelectorAll('.arithmatex')]"
-                           ".every(el => el.querySelector('.katex'))")
-    found = page.evaluate(MEASURE)
-    assert not found["wide"], (f"{source}: {len(found['wide'])} blocks wider than the "
-                               f"{found['column']:.0f}px column:\n" + "\n".join(found["wide"]))
-    assert not found["small"], (f"{source}: {len(found['small'])} figure texts below "
-                                f"{MIN_FIGURE_TEXT_PX}px:\n" + "\n".join(found["small"][:20]))
