@@ -116,8 +116,8 @@ _DEVICE = pytest.StashKey[str]()
 #: The longest test files (each a few minutes of one core), run first under pytest-xdist: its
 #: ``loadfile`` hands out whole files in collection order, so a long file collected last kept one
 #: worker busy alone at the end (measured on 2 cores: the last 2 minutes of a 6-minute run).
-LONGEST_FIRST = ("tests/site/test_browser.py", "tests/docs/test_shown_code.py", "tests/site/test_fresh_notebooks.py",
-                 "tests/site/test_teaching.py", "tests/site/test_explorer.py", "tests/test_conformance.py")
+LONGEST_FIRST = ("tests/docs/test_shown_code.py", "tests/site/test_fresh_notebooks.py", "tests/site/test_browser.py",
+                 "tests/site/test_explorer.py", "tests/test_conformance.py", "tests/test_lm.py", "tests/test_gpu_session.py")
 
 
 #: The test files whose verdict depends only on this package's own files and arithmetic, with why: the
