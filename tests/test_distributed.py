@@ -399,6 +399,23 @@ def test_spawn_refuses_what_a_new_process_cannot_import():
         spawn(_failing_worker, 0)
 
 
+def _where_am_i(rank, world_size):
+    import os
+    import sys
+    return {"parent": os.getppid(), "package": "attention_ref.distributed" in sys.modules}
+
+
+def test_spawn_forks_its_processes_from_a_server_not_the_caller():
+    """The processes come from the forkserver (torch imported once there), not from fresh interpreters
+    started by the caller; each imports this package itself, so an edit of it is what runs."""
+    import os
+
+    results = spawn(_where_am_i, 2)
+    parents = {r["parent"] for r in results}
+    assert len(parents) == 1 and os.getpid() not in parents, (os.getpid(), parents)
+    assert all(r["package"] for r in results)
+
+
 def test_a_failing_rank_stops_the_others():
     """Rank 1 raises; rank 0, waiting for it in a barrier, is stopped (or fails) instead of hanging."""
     start = time.monotonic()
