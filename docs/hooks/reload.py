@@ -61,12 +61,24 @@ import serve_workers  # noqa: E402
 #: threads, so the served pages equal `mkdocs build`'s to the last digit. With more, each gets
 #: an equal share of the cores: faster, but a multi-threaded sum may then add in another
 #: order, and a printed digit differ from the build's.
-WORKERS = int(os.environ.get("ATTENTION_REF_SERVE_WORKERS", "1"))
+def _count(name: str, default: str) -> int:
+    """The whole number >= 0 in the environment variable ``name`` (``default`` when unset or empty)."""
+    text = os.environ.get(name, "") or default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a whole number of worker processes >= 0, got {text!r}")
+    return value
+
+
+WORKERS = _count("ATTENTION_REF_SERVE_WORKERS", "1")
 
 
 #: Worker processes that run the pages' sessions ahead of `mkdocs build` (0: none; see above).
 #: Each keeps torch's default threads, which OMP_NUM_THREADS sets (dev.py: as many as a test worker).
-BUILD_WORKERS = int(os.environ.get("ATTENTION_REF_BUILD_WORKERS", "0") or 0)
+BUILD_WORKERS = _count("ATTENTION_REF_BUILD_WORKERS", "0")
 
 
 def _clear_markdown_exec_sessions() -> int:

@@ -170,3 +170,20 @@ def test_the_sessions_sent_to_workers_are_the_pages_blocks_as_markdown_exec_gets
     (tmp_path / "c.md").write_text('```python exec="on" session="shared"\nprint(y)\n```\n')
     assert sorted(hook._sessions(tmp_path), key=str) == sorted(
         [("s", ["x = 1", "print(x)"]), (None, ["print(2)"])], key=str)  # a session over two pages: not sent
+
+
+@pytest.mark.parametrize("name", ["ATTENTION_REF_BUILD_WORKERS", "ATTENTION_REF_SERVE_WORKERS"])
+@pytest.mark.parametrize("value", ["two", "-1", "1.5"])
+def test_a_worker_count_that_is_not_a_whole_number_is_refused_by_name(name, value, monkeypatch):
+    monkeypatch.setenv(name, value)
+    spec = importlib.util.spec_from_file_location("reload_hook_bad_count", ROOT / "docs" / "hooks" / "reload.py")
+    with pytest.raises(ValueError, match=rf"{name} must be a whole number of worker processes >= 0, "
+                                         rf"got '{value}'"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_an_empty_worker_count_means_the_default(monkeypatch, hook):
+    monkeypatch.setenv("ATTENTION_REF_BUILD_WORKERS", "")
+    assert hook._count("ATTENTION_REF_BUILD_WORKERS", "0") == 0
+    monkeypatch.setenv("ATTENTION_REF_BUILD_WORKERS", "3")
+    assert hook._count("ATTENTION_REF_BUILD_WORKERS", "0") == 3

@@ -52,16 +52,21 @@ def _fences():
 
 fences = _fences()
 BUILD_RECORD = os.environ.get("ATTENTION_REF_BUILD_RECORD")
+DEFAULT_NUMPY_PRINT = np.get_printoptions()
 PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
                if fences.find_blocks(p))
 
 
 def run_page(blocks, *, shown: bool, seed: int = 0) -> list[str]:
     """What each block prints, running the whole code or only the shown code, after seeding
-    the random generators with ``seed``."""
+    the random generators with ``seed``. (A caller that needs the first blocks only passes those:
+    a block's output depends on the blocks before it, never on those after.)"""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    # how tensors and arrays print: a page that sets it (position.md) must not change the next page's
+    torch.set_printoptions(profile="default")
+    np.set_printoptions(**DEFAULT_NUMPY_PRINT)
     namespaces: dict[str, dict] = {}
     outputs = []
     for block in blocks:
@@ -119,11 +124,11 @@ def describe(output: str) -> str:
 def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     blocks = fences.find_blocks(ROOT / page)
 
-    def run(shown: bool, seed: int) -> list[str]:
+    def run(shown: bool, seed: int, upto: int | None = None) -> list[str]:
         # the page as the site builds it, from the checkout; the shown code as a reader runs
         # it, from an empty folder of their own (a path into the checkout fails there)
         monkeypatch.chdir(tmp_path if shown else ROOT)
-        return run_page(blocks, shown=shown, seed=seed)
+        return run_page(blocks[:upto], shown=shown, seed=seed)
 
     shown = run(True, seed=2)  # a page seeds what it draws
     built = built_outputs(page, blocks)
@@ -134,10 +139,12 @@ def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.M
     # A block that prints a measurement (a time, a slope fitted to times) may print the same
     # twice by chance: it varies if either version, run again, prints something else. (With the
     # build's record, the page as written runs here once: the build's run was the first.)
-    again = run(False, seed=1)
+    # (Both runs stop after the last block that differs: what follows cannot change it.)
+    last = max(differ) + 1
+    again = run(False, seed=1, upto=last)
     varying = [i for i in differ if again[i] != full[i]]
     if any(i not in varying for i in differ):
-        shown_again = run(True, seed=2)
+        shown_again = run(True, seed=2, upto=last)
         varying = [i for i in differ if i in varying or shown_again[i] != shown[i]]
     wrong = [i for i in differ if i not in varying]
     report = [f"{page}:{blocks[i].line}: printed\n{describe(full[i])}\n"
