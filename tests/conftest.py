@@ -19,6 +19,7 @@ Asking for cuda where ``torch.cuda.is_available()`` is False stops the run at on
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -113,11 +114,37 @@ def pytest_configure(config: pytest.Config) -> None:
 _DEVICE = pytest.StashKey[str]()
 
 
-#: The longest test files (each a few minutes of one core), run first under pytest-xdist: its
-#: ``loadfile`` hands out whole files in collection order, so a long file collected last kept one
-#: worker busy alone at the end (measured on 2 cores: the last 2 minutes of a 6-minute run).
-LONGEST_FIRST = ("tests/docs/test_shown_code.py", "tests/site/test_fresh_notebooks.py", "tests/site/test_browser.py",
-                 "tests/site/test_explorer.py", "tests/test_conformance.py", "tests/test_lm.py", "tests/test_gpu_session.py")
+#: The longest test files (each a few minutes of one core), run first under pytest-xdist (`_FilesAndPages`
+#: hands out whole files in collection order): a long file collected last kept one worker busy alone at the
+#: end (measured on 2 cores: the last 2 minutes of a 6-minute run). The fresh-environment notebooks first:
+#: one file that installs an environment and then runs eleven notebooks (236 s in a check on 2 cores).
+LONGEST_FIRST = ("tests/site/test_fresh_notebooks.py", "tests/site/test_browser.py", "tests/site/test_explorer.py",
+                 "tests/docs/test_shown_code.py", "tests/test_conformance.py", "tests/test_gpu_session.py",
+                 "tests/test_lm.py")
+
+#: Test files whose tests pytest-xdist may hand to different workers, each test on its own: each runs
+#: one page from its start (tests/docs/test_shown_code.py: 315 s summed over 40 pages in a check on 2
+#: cores, all on one worker while whole files were the unit).
+SPREAD_FILES = ("tests/docs/test_shown_code.py",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` (what ``dev.py check`` runs) with two changes: the tests of `SPREAD_FILES`
+    go to workers one by one, and the files go in collection order (`LONGEST_FIRST`) instead of
+    xdist's default, most tests first, which put a file of 3 long tests after one of 300 short ones."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _FilesAndPages(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if nodeid.startswith(SPREAD_FILES) else super()._split_scope(nodeid)
+
+        def schedule(self) -> None:
+            self.config.option.loadscopereorder = False  # the collection's order, longest first
+            super().schedule()
+
+    return _FilesAndPages(config, log)
 
 
 #: The test files whose verdict depends only on this package's own files and arithmetic, with why: the
@@ -161,10 +188,30 @@ def _mark_upstream(items: list[pytest.Item]) -> None:
             item.add_marker(UPSTREAM)
 
 
+def _recorded_page_seconds() -> dict[str, float]:
+    """Each page's seconds in the strict build (docs/hooks/build_record.py), keyed by its path under
+    the checkout; empty without a record (``ATTENTION_REF_BUILD_RECORD``)."""
+    record = os.environ.get("ATTENTION_REF_BUILD_RECORD")
+    if not record or not Path(record).is_file():
+        return {}
+    pages = json.loads(Path(record).read_text(encoding="utf-8"))["pages"]
+    return {f"docs/{page}": float(data["seconds"]) for page, data in pages.items()}
+
+
 def _longest_first(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` in place: the files of `LONGEST_FIRST` first, in that order, each file's tests as they were."""
+    """Reorder ``items`` in place: the files of `LONGEST_FIRST` first, in that order, each file's tests as
+    they were, except the pages of tests/docs/test_shown_code.py: the longest first, by the build's record."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+    seconds = _recorded_page_seconds()
+
+    def page_seconds(item: pytest.Item) -> float:
+        spec = getattr(item, "callspec", None)
+        if spec is None or not item.nodeid.startswith(SPREAD_FILES):
+            return 0.0
+        return -seconds.get(spec.params.get("page", ""), 0.0)
+
+    # stable: the rest keep their order
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), page_seconds(item)))
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by markers
