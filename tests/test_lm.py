@@ -232,13 +232,70 @@ def test_generate_refuses_bad_arguments():
         lm.generate(model, torch.zeros(0, dtype=torch.long), 2)
 
 
+def witten_bell_by_hand(train: list[int], held: list[int], V: int, n: int) -> list[float]:
+    """Interpolated Witten-Bell, written from its definition with dictionaries and Python floats."""
+    from collections import Counter
+
+    def prob(w: int, context: tuple[int, ...]) -> float:
+        if not context:
+            counts = Counter(train)
+            return (counts[w] + len(counts) / V) / (len(train) + len(counts))
+        k = len(context)
+        followers = Counter(tuple(train[i + 1 - k:i + 2]) for i in range(k - 1, len(train) - 1)
+                            if tuple(train[i + 1 - k:i + 1]) == context)
+        c = sum(followers.values())
+        lower = prob(w, context[1:])
+        if c == 0:
+            return lower
+        return (followers[context + (w,)] + len(followers) * lower) / (c + len(followers))
+
+    return [-math.log(prob(held[i], tuple(held[max(0, i - n + 1):i]))) for i in range(1, len(held))]
+
+
 def test_ngram_losses_by_hand():
     train = torch.tensor([0, 0, 1, 0])
     held = torch.tensor([0, 1, 1])
-    # unigram counts + 1: [4, 2] of 6 -> held targets 1, 1 (the first id is never predicted)
+    # unigram: counts [3, 1] of 4, two distinct characters: P(1) = (1 + 2 / 2) / (4 + 2)
     assert lm.ngram_loss(train, held, 2, 1) == pytest.approx(-math.log(2 / 6))
-    # bigram pairs (0,0), (0,1), (1,0) + 1: after 0 -> [2, 2]; after 1 -> [2, 1]
-    assert lm.ngram_loss(train, held, 2, 2) == pytest.approx(-(math.log(2 / 4) + math.log(1 / 3)) / 2)
+    # bigram: after 0 came 0 and 1 (c = 2, t = 2): P(1 | 0) = (1 + 2 * 2 / 6) / 4; after 1 came 0
+    # (c = 1, t = 1): P(1 | 1) = (0 + 1 * 2 / 6) / 2
+    assert lm.ngram_losses(train, held, 2, 2).tolist() == pytest.approx(
+        [-math.log((1 + 4 / 6) / 4), -math.log((2 / 6) / 2)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_ngram_losses_equal_the_definition_on_random_text(n):
+    g = torch.Generator().manual_seed(n)
+    V = 4
+    train = torch.randint(0, V - 1, (300,), generator=g)  # id 3 never occurs in training
+    held = torch.randint(0, V, (60,), generator=g)
+    expected = witten_bell_by_hand(train.tolist(), held.tolist(), V, n)
+    torch.testing.assert_close(lm.ngram_losses(train, held, V, n), torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_an_ngram_distribution_sums_to_one(n):
+    g = torch.Generator().manual_seed(0)
+    V = 5
+    train = torch.randint(0, V, (200,), generator=g)
+    for context in ([1, 2, 3], [4, 4, 4], [0]):  # seen and perhaps unseen contexts
+        total = sum(math.exp(-lm.ngram_losses(train, torch.tensor(context + [w]), V, n)[-1].item())
+                    for w in range(V))
+        assert total == pytest.approx(1.0, abs=1e-12)
+
+
+def test_ngram_losses_refuse_what_they_cannot_count():
+    ids = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match=r"eval_ids: ids must lie in \[0, vocab_size = 2\), got \[0, 2\]"):
+        lm.ngram_losses(ids[:2], ids, 2, 1)
+    with pytest.raises(TypeError, match="train_ids must be a 1-d int64 tensor, got torch.float32"):
+        lm.ngram_losses(ids.float(), ids, 3, 1)
+    with pytest.raises(ValueError, match=r"vocab_size \*\* n must stay below 2 \*\* 62"):
+        lm.ngram_losses(ids, ids, 73, 11)
+    with pytest.raises(ValueError, match="n must be a positive int, got 0"):
+        lm.ngram_losses(ids, ids, 3, 0)
+    with pytest.raises(ValueError, match="eval_ids: need at least 2 ids"):
+        lm.ngram_losses(ids, ids[:1], 3, 1)
 
 
 def test_evaluate_equals_cross_entropy_by_hand():
