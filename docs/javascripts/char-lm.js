@@ -305,11 +305,20 @@
     const state = { model: null, run: null, layer: Number(root.dataset.layer || 0), head: Number(root.dataset.head || 0),
       timer: null, generating: 0, window: 0 };
 
+    // The temperature and top-k the bars and the sampling use. An empty top-k box means no top-k (every
+    // character, as top_k=None in attention_ref.lm.generate); a value that is not a whole number >= 1
+    // is not guessed at either: it also means every character, and `note` says so beside the box.
     function settings() {
       const t = Number(ui.temperature.value);
-      let k = Math.round(Number(ui.topK.value));
-      if (!Number.isFinite(k) || k < 1) k = 1;
-      return { temperature: t, topK: k };
+      const text = ui.topK.value.trim();
+      const k = Number(text);
+      const V = state.model ? state.model.V : Infinity;
+      if (text === "") return { temperature: t, topK: V, note: "top-k is empty: sampling among all characters." };
+      if (!Number.isInteger(k) || k < 1) {
+        return { temperature: t, topK: V, invalid: true,
+          note: `top-k must be a whole number of at least 1 (got “${text}”): sampling among all characters.` };
+      }
+      return { temperature: t, topK: k, note: "" };
     }
 
     // Run the model on the text (its last `context` characters that are in the vocabulary).
@@ -328,9 +337,14 @@
       }
       if (!kept.length) notes.push("Type some text above: the model predicts the character that comes next.");
       else if (cropped) notes.push(`The model reads the last ${m.context} characters (it was trained on windows that long).`);
+      const { note, invalid } = settings();
+      if (note) notes.push(note);
       ui.status.textContent = notes.join(" ") || `${kept.length} characters read.`;
-      ui.status.classList.toggle("charlm-warning", unknown.length > 0);
+      ui.status.classList.toggle("charlm-warning", unknown.length > 0 || Boolean(invalid));
+      ui.topK.setAttribute("aria-invalid", String(Boolean(invalid)));
       root.dataset.unknown = String(unknown.length);
+      // nothing to continue from: nothing to predict, so neither button may act
+      if (!state.timer) ui.next.disabled = ui.generate.disabled = !kept.length;
     }
 
     function drawProbs() {
@@ -424,8 +438,7 @@
       clearInterval(state.timer);
       state.timer = null;
       ui.stop.disabled = true;
-      ui.generate.disabled = false;
-      ui.next.disabled = false;
+      ui.generate.disabled = ui.next.disabled = !state.run;
       root.dataset.generating = "0";
     }
 

@@ -191,3 +191,70 @@ def test_fits_a_phone(page, site_url: str):
     maps = widget.locator(".charlm-map").first.bounding_box()
     assert maps["width"] >= 40
     assert not page.console_errors
+
+
+def _luminance(rgb) -> float:
+    def channel(c):
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+BUTTON_COLOURS = """async (widget, scheme) => {
+  document.body.setAttribute('data-md-color-scheme', scheme);
+  // Material's buttons fade to a new colour in 125 ms: read them once they are there
+  await new Promise((done) => setTimeout(done, 400));
+  const page = getComputedStyle(document.body).backgroundColor.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const over = (c, under) => {  // a colour with an alpha, as the eye sees it over `under`
+    const [r, g, b, a = 1] = c.match(/[\\d.]+/g).map(Number);
+    return [r, g, b].map((x, k) => a * x + (1 - a) * under[k]);
+  };
+  return Array.from(widget.querySelectorAll('.charlm-controls button:not(:disabled), .charlm-controls input[type=number]'))
+    .map((b) => {
+      const style = getComputedStyle(b);
+      const background = over(style.backgroundColor, page);
+      return { name: b.textContent || b.getAttribute('aria-label'), text: over(style.color, background), background };
+    });
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["default", "slate"])
+def test_the_controls_read_in_both_schemes(page, site_url: str, scheme: str):
+    widget = open_widget(page, site_url)
+    controls = widget.evaluate(BUTTON_COLOURS, scheme)
+    assert {c["name"] for c in controls} >= {"Next character", "Generate 60"}
+    for control in controls:
+        a, b = _luminance(control["text"]), _luminance(control["background"])
+        assert (max(a, b) + 0.05) / (min(a, b) + 0.05) >= 4.5, (scheme, control)  # WCAG AA for text
+
+
+def test_a_cleared_or_wrong_top_k_samples_among_every_character_and_says_so(page, site_url: str):
+    widget = open_widget(page, site_url)
+    status, top_k = widget.locator(".charlm-status"), widget.locator("input[type=number]")
+    widget.locator("input[type=range]").fill("1.5")
+    top_k.fill("1")
+    assert widget.locator(".charlm-probs li").count() == 1  # one character kept: certain
+    top_k.fill("")
+    assert "top-k is empty: sampling among all characters" in status.text_content()
+    assert widget.locator(".charlm-probs li").count() == 10  # the ten likeliest of all 73 shown
+    top_k.fill("-3")
+    assert "top-k must be a whole number of at least 1 (got “-3”)" in status.text_content()
+    assert top_k.get_attribute("aria-invalid") == "true"
+    assert widget.locator(".charlm-probs li").count() == 10
+    top_k.fill("5")
+    assert "top-k" not in status.text_content() and top_k.get_attribute("aria-invalid") == "false"
+    assert widget.locator(".charlm-probs li").count() == 5
+
+
+def test_an_empty_box_leaves_nothing_to_continue(page, site_url: str):
+    widget = open_widget(page, site_url)
+    buttons = [widget.get_by_role("button", name=name) for name in ("Next character", "Generate 60")]
+    assert all(b.is_enabled() for b in buttons)
+    widget.locator("textarea").fill("")
+    page.wait_for_function("sel => document.querySelector(sel + ' .charlm-probs').childElementCount === 0", arg=WIDGET)
+    assert not any(b.is_enabled() for b in buttons)
+    widget.locator("textarea").fill("ROMEO.\n")
+    page.wait_for_function("sel => document.querySelector(sel + ' .charlm-probs').childElementCount > 0", arg=WIDGET)
+    assert all(b.is_enabled() for b in buttons)
