@@ -2,8 +2,9 @@
 
 On every teaching page (the home page, tutorial, how-to, explanation, contributors):
 
-- every executed block shows its code above its result (markdown-exec ``source="above"``), and
-  no block's code hides behind a "Source" tab in the built page;
+- every executed block shows its code above its result (markdown-exec ``source="above"``), but
+  for the few whose result is what a newcomer came for (`RESULT_FIRST`: the home page's reading
+  plan), which show it below; no block's code hides behind a "Source" tab in the built page;
 - in Chromium at 1280 px, with every collapsible (exercise, solution) opened, no code block,
   output block, formula or table is wider than its column (nothing scrolls sideways) and no
   figure text renders below 7 px (``test_nothing_clipped_and_figure_text_readable_at_1280px`` in
@@ -33,15 +34,28 @@ def test_the_page_lists_are_not_empty():
     assert len(TUTORIAL) >= 10 and len(TEACHING) > len(TUTORIAL)
 
 
+#: (page, session) of the blocks whose result comes first and their code below it: the result is
+#: what the reader came for, and the code would push it down a screen or two.
+RESULT_FIRST = {("index.md", "home-plan")}
+
+
 @pytest.mark.parametrize("source", TEACHING)
 def test_every_executed_block_shows_its_code_above_its_result(source: str):
     blocks = find_blocks(DOCS / source)
-    hidden = [f"{source}:{b.line} source={b.options.get('source')!r}"
-              for b in blocks if b.options.get("source") != "above"]
+    hidden = [f"{source}:{b.line} source={b.options.get('source')!r}" for b in blocks
+              if b.options.get("source") != ("below" if (source, b.session) in RESULT_FIRST else "above")]
     assert not hidden, ("executed blocks whose code is not shown above their result "
                         "(use source=\"above\"):\n" + "\n".join(hidden))
     empty = [f"{source}:{b.line}" for b in blocks if not b.shown_code.strip()]
     assert not empty, "executed blocks that show no code at all: " + ", ".join(empty)
+
+
+def test_the_home_page_shows_its_reading_plan_before_any_code(built_site: Path):
+    text = built_page(built_site, "index.md").read_text(encoding="utf-8")
+    article = text[text.index("<article"):]
+    plan = article.index("<th>know first</th>")
+    first_code = article.index('<div class="highlight">')  # a block of code, highlighted
+    assert plan < first_code, "the reading plan comes after a block of Python on the home page"
 
 
 @pytest.mark.parametrize("source", TEACHING)
@@ -131,3 +145,15 @@ def test_tutorial_page_links_its_notebook(built_site: Path, source: str):
                        html_path.read_text(encoding="utf-8"))
     assert len(links) == 1, f"{source}: expected one notebook link at the top, got {links}"
     assert (html_path.parent / links[0]).is_file(), f"{source}: {links[0]} was not built"
+
+
+def test_the_tutorial_leads_to_its_last_page_and_that_page_says_where_to_go_next():
+    pages = sorted(TUTORIAL)
+    for here, after in zip(pages, pages[1:]):
+        text = (DOCS / here).read_text(encoding="utf-8")
+        assert f"]({after.removeprefix('tutorial/')}" in text, f"{here} has no link to the next page, {after}"
+    last = (DOCS / pages[-1]).read_text(encoding="utf-8")
+    assert "## Where to go next" in last, f"{pages[-1]}, the tutorial's last page, says nowhere to go next"
+    section = last[last.index("## Where to go next"):]
+    assert len(re.findall(r"\]\((?:\.\./)[^)]+\.md\)", section)) >= 3, section
+
