@@ -24,6 +24,7 @@ size, ``D`` head size, ``d`` model width.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from xml.sax.saxutils import escape, quoteattr
 
@@ -35,6 +36,9 @@ from attention_ref.multihead import MultiHeadAttention
 
 __all__ = ["flash_tiling", "kv_head_groups", "multihead_flow", "path_length", "qkv_shapes", "sdpa_flow", "self_vs_cross"]
 
+#: The smallest size, in CSS pixels, at which a diagram's text may render (the site's figures keep the same).
+READABLE_PX = 9
+_FONT_SIZE = re.compile(r'font-size="([\d.]+)"')
 _WIDTH = 640  # the widest viewBox of any diagram, in CSS pixels at scale 1
 _FONT = 14  # body text; titles are 16, nothing is below _MIN_FONT
 _MIN_FONT = 12
@@ -173,11 +177,18 @@ class _Canvas:
                       bold=i == 0 and bold_first)
 
     def render(self, height: float, width: float = _WIDTH) -> str:
+        """The diagram as an ``<svg>``. It scales with its column, and says the width below which
+        its smallest text would render under `READABLE_PX` (``--ar-readable-width``): the site
+        (docs/stylesheets/diagrams.css, docs/hooks/diagram_boxes.py) keeps it that wide in a box
+        that scrolls sideways on a phone and says so, rather than shrinking its labels."""
         w, h = _num(width), _num(math.ceil(height))
+        sizes = [float(x) for part in self.parts for x in _FONT_SIZE.findall(part)] or [_FONT]
+        readable = math.ceil(width * READABLE_PX / min(sizes))
         head = (
             f'<svg xmlns="http://www.w3.org/2000/svg" class="ar-diagram" viewBox="0 0 {w} {h}" '
             f'width="{w}" height="{h}" role="img" aria-label={quoteattr(self.title)} '
-            f'style="max-width:100%;height:auto" font-family="sans-serif" font-size="{_FONT}">'
+            f'style="max-width:100%;height:auto;--ar-readable-width:{readable}px" font-family="sans-serif" '
+            f'font-size="{_FONT}">'
         )
         background = f'<rect class="ar-bg" x="0" y="0" width="{w}" height="{h}" fill="{_BG}"/>'
         return "\n".join([head, f"<title>{escape(self.title)}</title>", background, *self.parts, "</svg>"])

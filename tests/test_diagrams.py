@@ -456,3 +456,18 @@ def test_flash_tiling_errors():
     with pytest.raises(ValueError, match=r"block_q must leave at most 24 blocks along L, got 25 blocks "
                                          r"\(L = 100, block_q = 4\)"):
         diagrams.flash_tiling(100, 8, 4, 2)
+
+
+def test_a_diagram_says_the_width_at_which_its_smallest_text_reads_at_9_px():
+    import math
+    import re
+
+    q, k, v = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 6)
+    for svg in (diagrams.sdpa_flow(q, k, v), diagrams.path_length(8), diagrams.flash_tiling(9, 10, block_q=4, block_k=5)):
+        root = parse(svg)
+        width = float(root.get("viewBox").split()[2])
+        smallest = min(float(size) for size in re.findall(r'font-size="([\d.]+)"', svg))
+        readable = re.search(r"--ar-readable-width:(\d+)px", root.get("style"))
+        assert readable, root.get("style")
+        assert int(readable.group(1)) == math.ceil(width * 9 / smallest)
+        assert smallest * int(readable.group(1)) / width >= 9  # at that width, the smallest text is 9 px

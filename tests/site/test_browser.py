@@ -391,10 +391,11 @@ def test_head_grids_show_two_heads_per_row_on_a_phone(page_shown, source: str, w
 
 
 def shows_wide_content(source: str) -> bool:
-    """Whether the page shows a figure (an SVG of attention_ref.viz), a display formula or a table."""
+    """Whether the page shows a figure (an SVG of attention_ref.viz), a concept diagram (of
+    attention_ref.diagrams), a display formula or a table."""
     text = (DOCS / source).read_text()
-    return bool(re.search(r"to_svg\(|head_grid_html\(|map_slider_html\(|^\s*\$\$|^\s*\\\[|^\s*\|.*\|\s*$",
-                          text, re.M))
+    return bool(re.search(r"to_svg\(|head_grid_html\(|map_slider_html\(|diagrams\.\w+\(|^\s*\$\$|^\s*\\\[|"
+                          r"^\s*\|.*\|\s*$", text, re.M))
 
 
 WIDE_CONTENT = """() => {
@@ -414,9 +415,9 @@ WIDE_CONTENT = """() => {
             note: getComputedStyle(el, '::after').content, left: r.left, right: r.right};
   };
   return {
-    figures: [...document.querySelectorAll('article svg.ar-figure')].map(svg => ({
+    figures: [...document.querySelectorAll('article svg.ar-figure, article svg.ar-diagram')].map(svg => ({
       label: svg.getAttribute('aria-label').slice(0, 60), smallest: smallestText(svg),
-      box: box(svg.closest('figure.ar-figure-box'), svg.getAttribute('aria-label').slice(0, 60))})),
+      box: box(svg.closest('figure.ar-figure-box, div.ar-diagram-box'), svg.getAttribute('aria-label').slice(0, 60))})),
     formulas: [...document.querySelectorAll('article div.arithmatex')].map(
       d => box(d, d.querySelector('annotation')?.textContent.trim().slice(0, 60) || '?')),
     tables: [...document.querySelectorAll('article table')].map(t => {
