@@ -18,7 +18,6 @@ Unset, the hook records nothing; ``mkdocs serve`` never records.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -32,14 +31,10 @@ log = logging.getLogger(f"mkdocs.hooks.{__name__}")
 _state: dict = {"on": False, "start": 0.0, "page": None, "page_start": 0.0, "runs": [], "waits": 0.0, "pages": {}}
 
 
-def _fences():
-    name = "attention_ref_docs_fences"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fences.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+# docs/hooks/fences.py, loaded once by path: serve_workers.fences, shared with reload.py's workers
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.append(str(Path(__file__).parent))
+from serve_workers import fences as _fences
 
 
 def _install() -> None:

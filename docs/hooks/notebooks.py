@@ -36,7 +36,6 @@ environment test (tests/site/test_fresh_notebooks.py) installs the package with
 from __future__ import annotations
 
 import ast
-import importlib.util
 import io
 import logging
 import os
@@ -103,14 +102,10 @@ CHECKS_HEADER = ("# Checks (hidden on the page): the asserts that keep the page'
 YOUR_TURN = "# Your turn: write and run your answer here, then open the solution below."
 
 
-def _fences():
-    name = "attention_ref_docs_fences"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fences.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+# docs/hooks/fences.py, loaded once by path: serve_workers.fences, shared with reload.py's workers
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.append(str(Path(__file__).parent))
+from serve_workers import fences as _fences
 
 
 def notebook_name(src_uri: str) -> str:
