@@ -379,7 +379,12 @@
             "aria-label": `layer ${layer}, head ${h}`, "aria-pressed": String(layer === state.layer && h === state.head) });
           const canvas = el("canvas", { width: "1", height: "1" });
           button.append(canvas);
-          button.addEventListener("click", () => { state.layer = layer; state.head = h; drawGrid(); drawFocus(); });
+          button.addEventListener("click", () => {
+            state.layer = layer; state.head = h; drawGrid(); drawFocus();
+            // on a phone the shaded text sits above the maps, off screen: bring it into view
+            const box = ui.focus.getBoundingClientRect();
+            if (box.top < 0 || box.bottom > window.innerHeight) ui.focusTitle.scrollIntoView({ block: "start" });
+          });
           ui.grid.append(button);
           if (!run) continue;
           const L = run.ids.length, W = run.weights[layer][h];
@@ -430,6 +435,7 @@
       for (let i = 0; i < m.V; i++) { r -= probs[i]; pick = i; if (r < 0 && probs[i] > 0) break; }
       if (temperature === 0) pick = probs.indexOf(1);
       ui.input.value += m.chars[pick];
+      ui.input.scrollTop = ui.input.scrollHeight; // the box follows the text it grows
       refresh();
       return true;
     }

@@ -258,3 +258,27 @@ def test_an_empty_box_leaves_nothing_to_continue(page, site_url: str):
     widget.locator("textarea").fill("ROMEO.\n")
     page.wait_for_function("sel => document.querySelector(sel + ' .charlm-probs').childElementCount > 0", arg=WIDGET)
     assert all(b.is_enabled() for b in buttons)
+
+
+def test_the_box_follows_the_text_it_generates(page, site_url: str):
+    widget = open_widget(page, site_url)
+    box = widget.locator("textarea")
+    box.fill("HAMLET.\n" * 12)  # taller than the box: it scrolls
+    page.wait_for_function("sel => document.querySelector(sel).dataset.unknown === '0'", arg=WIDGET)
+    box.evaluate("b => { b.scrollTop = 0; }")
+    widget.get_by_role("button", name="Next character").click()
+    gap = box.evaluate("b => b.scrollHeight - b.clientHeight - b.scrollTop")
+    assert gap <= 1, f"the box shows {gap} px above its end: the new character is out of view"
+
+
+def test_a_tapped_head_on_a_phone_shows_the_text_it_shades(page, site_url: str):
+    page.set_viewport_size({"width": 390, "height": 700})
+    widget = open_widget(page, site_url)
+    last = widget.locator(".charlm-map").last
+    last.scroll_into_view_if_needed()
+    assert page.evaluate("() => document.querySelector('.charlm-focus').getBoundingClientRect().bottom < 0")
+    last.click()
+    shaded = page.evaluate("() => { const r = document.querySelector('.charlm-focus').getBoundingClientRect();"
+                           " return [r.top, r.bottom, window.innerHeight]; }")
+    assert shaded[0] >= 0 and shaded[0] < shaded[2], f"the shaded text is off screen after the tap: {shaded}"
+    assert widget.locator(".charlm-focus-title").text_content().startswith("Layer 3, head 3")
