@@ -278,7 +278,16 @@
         });
       });
       state.drawnThumbs = key;
+      markOverview();
     }
+
+    /* When the heads do not all fit (a phone), the overview says so under it: the heads past the
+       edge are otherwise out of sight with nothing to tell they are there. */
+    var overview = root.querySelector(".attention-explorer-overview");
+    function markOverview() {
+      if (overview) overview.classList.toggle("ar-wide", thumbsBox.scrollWidth > thumbsBox.clientWidth + 1);
+    }
+    if (window.ResizeObserver) new ResizeObserver(markOverview).observe(thumbsBox);
 
     /* A cell of the weight column: the number, and under it a bar as long as the weight. */
     function weightCell(w) {

@@ -490,7 +490,15 @@ def test_the_overview_has_tap_targets(page, site_url, width):
         assert min(min(wh) for wh in sizes["buttons"]) >= 44, sizes["buttons"]
         assert sizes["page"] <= width, sizes["page"]
         assert sizes["open"], "the head that is open is scrolled out of the overview's box"
-    switch(explorer, "model", 0)
+    switch(explorer, "model", 0)  # 12 heads
+    marked = explorer.evaluate(
+        """el => { const o = el.querySelector('.attention-explorer-overview'),
+                         t = el.querySelector('.attention-explorer-thumbs');
+                   return {scrolls: t.scrollWidth > t.clientWidth + 1, marked: o.classList.contains('ar-wide'),
+                           note: getComputedStyle(o, '::after').content}; }""")
+    assert marked["scrolls"] == marked["marked"], marked  # heads out of sight are announced, and only then
+    assert ("Swipe the maps sideways" in marked["note"]) == marked["scrolls"], marked
+    assert marked["scrolls"] == (width == 390), marked
     last = explorer.locator(f"{THUMB}[data-layer='5'][data-head='11']")
     last.scroll_into_view_if_needed()  # scrolls the overview's own box on a phone
     last.click()
