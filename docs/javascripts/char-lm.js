@@ -294,8 +294,15 @@
     ui.grid = el("div", { class: "charlm-grid" });
     const left = el("div", { class: "charlm-col" });
     left.append(el("p", { class: "charlm-heading" }, "Next character"), ui.probs);
+    // the chosen head's map, large enough to read at any length: a cell's weight on hover or tap
+    ui.zoomTitle = el("p", { class: "charlm-heading" }, "");
+    ui.zoom = el("canvas", { class: "charlm-zoom", width: "1", height: "1",
+      "aria-label": "The chosen head's attention map: point at a cell for its weight" });
+    ui.zoomValue = el("output", { class: "charlm-zoom-value", "aria-live": "polite" },
+      "Point at (or tap) a cell of the map for its weight.");
     const right = el("div", { class: "charlm-col" });
-    right.append(el("p", { class: "charlm-heading" }, "Attention: every layer × head (click one)"), ui.grid);
+    right.append(el("p", { class: "charlm-heading" }, "Attention: every layer × head (click one)"), ui.grid,
+      ui.zoomTitle, ui.zoom, ui.zoomValue);
     const panels = el("div", { class: "charlm-panels" });
     panels.append(left, right);
     root.append(ui.input, ui.status, controls, ui.focusTitle, ui.focus, panels);
@@ -401,8 +408,45 @@
       }
     }
 
+    function drawZoom() {
+      const run = state.run;
+      ui.zoom.hidden = !run;
+      if (!run) { ui.zoomTitle.textContent = ""; return; }
+      const L = run.ids.length, W = run.weights[state.layer][state.head];
+      ui.zoomTitle.textContent = `Layer ${state.layer}, head ${state.head}, larger: row = the character ` +
+        "reading (query), column = the character read (key)";
+      ui.zoom.width = L;
+      ui.zoom.height = L;
+      const ctx = ui.zoom.getContext("2d");
+      for (let i = 0; i < L; i++) {
+        for (let j = 0; j <= i; j++) {
+          ctx.fillStyle = heatColor(W[i * L + j]);
+          ctx.fillRect(j, i, 1, 1);
+        }
+      }
+    }
+
+    // The cell under a pointer (or a tap) on the large map, and its weight in words.
+    function pointAt(event) {
+      const run = state.run;
+      if (!run) return;
+      const m = state.model, L = run.ids.length, box = ui.zoom.getBoundingClientRect();
+      const i = Math.min(L - 1, Math.floor(((event.clientY - box.top) / box.height) * L));
+      const j = Math.min(L - 1, Math.floor(((event.clientX - box.left) / box.width) * L));
+      if (i < 0 || j < 0) return;
+      const w = j <= i ? run.weights[state.layer][state.head][i * L + j] : 0;
+      ui.zoomValue.textContent = `“${showChar(m.chars[run.ids[i]])}” (position ${i}) → ` +
+        `“${showChar(m.chars[run.ids[j]])}” (position ${j}): ` +
+        (j <= i ? `${(100 * w).toFixed(1)}%` : "0% (a later character: causal)");
+      ui.zoomValue.dataset.cell = `${i},${j}`;
+      ui.zoomValue.dataset.weight = w.toFixed(4);
+    }
+    ui.zoom.addEventListener("pointermove", pointAt);
+    ui.zoom.addEventListener("pointerdown", pointAt);
+
     function drawFocus() {
       ui.focus.replaceChildren();
+      drawZoom();
       const m = state.model, run = state.run;
       if (!run) { ui.focusTitle.textContent = ""; return; }
       const L = run.ids.length, W = run.weights[state.layer][state.head];

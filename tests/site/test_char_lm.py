@@ -6,7 +6,11 @@
 - Typing redraws the next-character bars, the 4 x 4 attention maps and the shaded text; a
   character outside the vocabulary gets a visible message and never a NaN; an empty box shows
   a prompt; temperature 0 puts everything on one character.
-- Generate adds characters one at a time and Stop stops it; the controls are reachable by Tab.
+- Generate adds characters one at a time and Stop stops it; the controls are reachable by Tab;
+  the box follows what it generates; an empty or wrong top-k samples among every character and
+  says so; an empty box disables Next and Generate; the controls read at 4.5:1 in both schemes.
+- The chosen head's map, drawn large, gives the weight of the cell under the pointer (torch's,
+  to 1e-4) at 128 characters; a head tapped on a phone brings the text it shades into view.
 - The widget fits a 390 px phone; no console error.
 Fixtures (``site_url``, ``page``) come from tests/site/conftest.py.
 """
@@ -282,3 +286,28 @@ def test_a_tapped_head_on_a_phone_shows_the_text_it_shades(page, site_url: str):
                            " return [r.top, r.bottom, window.innerHeight]; }")
     assert shaded[0] >= 0 and shaded[0] < shaded[2], f"the shaded text is off screen after the tap: {shaded}"
     assert widget.locator(".charlm-focus-title").text_content().startswith("Layer 3, head 3")
+
+
+@pytest.mark.parametrize("width", [390, 1280])
+def test_the_chosen_heads_map_is_readable_at_any_length_and_gives_each_weight(page, site_url: str, model, width):
+    net, tok, _ = model
+    page.set_viewport_size({"width": width, "height": 900})
+    widget = open_widget(page, site_url)
+    text = "ROMEO.\nBut soft, what light through yonder window breaks? " * 3  # 168 characters: the last 128 read
+    widget.locator("textarea").fill(text)
+    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 128", arg=WIDGET)
+    widget.get_by_role("button", name="layer 1, head 2").click()
+    zoom = widget.locator("canvas.charlm-zoom")
+    box = zoom.bounding_box()
+    assert box["width"] >= 300 and abs(box["width"] - box["height"]) <= 1, box  # 2 px or more per cell at 128
+    ids = tok.encode(text[-128:])[None]
+    with torch.no_grad():
+        _, weights = net(ids, return_weights=True)
+    for i, j in ((127, 126), (90, 3), (64, 64), (10, 50)):
+        zoom.hover(position={"x": (j + 0.5) * box["width"] / 128, "y": (i + 0.5) * box["height"] / 128})
+        value = widget.locator(".charlm-zoom-value")
+        assert value.get_attribute("data-cell") == f"{i},{j}"
+        expected = float(weights[1][0, 2, i, j]) if j <= i else 0.0
+        assert abs(float(value.get_attribute("data-weight")) - expected) < 1e-4, (i, j, expected)
+        assert f"(position {i})" in value.text_content() and f"(position {j})" in value.text_content()
+    assert not page.console_errors
