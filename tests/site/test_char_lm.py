@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from attention_ref import lm
+from test_map_slider import _luminance  # WCAG's relative luminance of an sRGB colour
 
 PAGE = "tutorial/11-language-model/"
 WIDGET = "div.charlm"
@@ -195,15 +196,6 @@ def test_fits_a_phone(page, site_url: str):
     maps = widget.locator(".charlm-map").first.bounding_box()
     assert maps["width"] >= 40
     assert not page.console_errors
-
-
-def _luminance(rgb) -> float:
-    def channel(c):
-        c /= 255
-        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
-
-    r, g, b = (channel(c) for c in rgb)
-    return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
 
 BUTTON_COLOURS = """async (widget, scheme) => {
