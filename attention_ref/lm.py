@@ -57,6 +57,7 @@ __all__ = [
     "load_corpus",
     "ngram_loss",
     "ngram_losses",
+    "position_losses",
     "previous_token_score",
     "split_corpus",
     "train",
@@ -619,11 +620,15 @@ def optimise(model: nn.Module, config: TrainConfig, next_batch: Callable[[], tup
 
 
 @torch.no_grad()
-def evaluate(model: CharLM, ids: torch.Tensor, *, max_windows: int | None = None) -> float:
-    """Mean cross-entropy (nats per character) over ``ids`` cut into consecutive windows.
+def position_losses(model: CharLM, ids: torch.Tensor, *, max_windows: int | None = None) -> torch.Tensor:
+    """The loss (nats) of every character of ``ids`` but the first, cut into consecutive windows:
+    ``(n, context)``, row ``w`` the window ``ids[w * context : (w + 1) * context]``, column ``p`` the
+    character predicted from the ``p + 1`` before it in its window. `evaluate` is its mean.
 
-    Every character after the first is predicted once, from the characters before it in its
-    window of ``context`` (so early characters of a window see little).
+    Args:
+        model: the model; put in eval mode.
+        ids: ``(N,)`` int64 ids, ``N > context``.
+        max_windows: at most this many windows (the first ones).
     """
     model.eval()
     c = model.config.context
@@ -634,12 +639,21 @@ def evaluate(model: CharLM, ids: torch.Tensor, *, max_windows: int | None = None
         raise ValueError(f"ids: need more than context = {c} ids to evaluate, got {len(ids)}")
     inputs = ids[: n * c].view(n, c)  # (n, context)
     targets = ids[1: n * c + 1].view(n, c)
-    total = 0.0
-    for i in range(0, n, 64):
-        logits = model(inputs[i:i + 64])
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[i:i + 64].reshape(-1),
-                                 reduction="sum").item()
-    return total / (n * c)
+    losses = []
+    for i in range(0, n, 64):  # 64 windows at a time: faster than all at once
+        logits = model(inputs[i:i + 64])  # (b, context, V)
+        losses.append(F.cross_entropy(logits.transpose(1, 2), targets[i:i + 64], reduction="none"))
+    return torch.cat(losses)  # (n, context)
+
+
+def evaluate(model: CharLM, ids: torch.Tensor, *, max_windows: int | None = None) -> float:
+    """Mean cross-entropy (nats per character) over ``ids`` cut into consecutive windows.
+
+    Every character after the first is predicted once, from the characters before it in its
+    window of ``context`` (so early characters of a window see little): the mean of
+    `position_losses`.
+    """
+    return float(position_losses(model, ids, max_windows=max_windows).double().mean())
 
 
 def ngram_losses(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:

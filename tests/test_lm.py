@@ -306,6 +306,9 @@ def test_evaluate_equals_cross_entropy_by_hand():
         logits = model(windows)
     expected = F.cross_entropy(logits.reshape(-1, 7), ids[1:40].view(3, 13).reshape(-1)).item()
     assert lm.evaluate(model, ids) == pytest.approx(expected, rel=1e-12)
+    per = lm.position_losses(model, ids)  # (windows, context): each character's own loss
+    torch.testing.assert_close(per, F.cross_entropy(logits.transpose(1, 2), ids[1:40].view(3, 13), reduction="none"))
+    torch.testing.assert_close(lm.position_losses(model, ids, max_windows=2), per[:2])
 
 
 def test_head_scores_on_perfect_patterns():
