@@ -554,10 +554,7 @@ def train(model: CharLM, train_ids: torch.Tensor, config: TrainConfig, *,
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     if make_batch is None:
-        if not isinstance(train_ids, torch.Tensor) or train_ids.dtype != torch.long or train_ids.dim() != 1:
-            got = (f"{train_ids.dtype} of shape {tuple(train_ids.shape)}" if isinstance(train_ids, torch.Tensor)
-                   else type(train_ids).__name__)
-            raise TypeError(f"train_ids must be a 1-d int64 tensor (or pass make_batch=), got {got}")
+        _check_ids("train_ids", train_ids, hint=" (or pass make_batch=)")
         if len(train_ids) < model.config.context + 2:
             raise ValueError(f"train_ids: need more than context + 1 = {model.config.context + 1} ids, "
                              f"got {len(train_ids)}")
@@ -619,6 +616,15 @@ def optimise(model: nn.Module, config: TrainConfig, next_batch: Callable[[], tup
     return time.perf_counter() - began
 
 
+def _check_ids(name: str, ids: object, vocab_size: int | None = None, *, hint: str = "") -> None:
+    """Raise unless ``ids`` is a 1-d int64 tensor (of ids in ``[0, vocab_size)`` when given)."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long or ids.dim() != 1:
+        got = f"{ids.dtype} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be a 1-d int64 tensor{hint}, got {got}")
+    if vocab_size is not None and len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name}: ids must lie in [0, vocab_size = {vocab_size}), got [{ids.min()}, {ids.max()}]")
+
+
 @torch.no_grad()
 def position_losses(model: CharLM, ids: torch.Tensor, *, max_windows: int | None = None) -> torch.Tensor:
     """The loss (nats) of every character of ``ids`` but the first, cut into consecutive windows:
@@ -630,6 +636,7 @@ def position_losses(model: CharLM, ids: torch.Tensor, *, max_windows: int | None
         ids: ``(N,)`` int64 ids, ``N > context``.
         max_windows: at most this many windows (the first ones).
     """
+    _check_ids("ids", ids, model.config.vocab_size)
     model.eval()
     c = model.config.context
     n = (len(ids) - 1) // c
@@ -681,12 +688,8 @@ def ngram_losses(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_size: in
     n = check_positive_int("n", n)
     if V ** n >= 2 ** 62:
         raise ValueError(f"n: vocab_size ** n must stay below 2 ** 62 (int64 codes), got {V} ** {n}")
-    for name, ids in (("train_ids", train_ids), ("eval_ids", eval_ids)):
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long or ids.dim() != 1:
-            got = f"{ids.dtype} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise TypeError(f"{name} must be a 1-d int64 tensor, got {got}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= V):
-            raise ValueError(f"{name}: ids must lie in [0, vocab_size = {V}), got [{ids.min()}, {ids.max()}]")
+    _check_ids("train_ids", train_ids, V)
+    _check_ids("eval_ids", eval_ids, V)
     if len(eval_ids) < 2:
         raise ValueError(f"eval_ids: need at least 2 ids (the first is never predicted), got {len(eval_ids)}")
     if len(train_ids) < n:

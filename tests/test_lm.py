@@ -309,6 +309,10 @@ def test_evaluate_equals_cross_entropy_by_hand():
     per = lm.position_losses(model, ids)  # (windows, context): each character's own loss
     torch.testing.assert_close(per, F.cross_entropy(logits.transpose(1, 2), ids[1:40].view(3, 13), reduction="none"))
     torch.testing.assert_close(lm.position_losses(model, ids, max_windows=2), per[:2])
+    with pytest.raises(TypeError, match=r"ids must be a 1-d int64 tensor, got torch.float32 of shape \(40,\)"):
+        lm.position_losses(model, ids.float())
+    with pytest.raises(ValueError, match=r"ids: ids must lie in \[0, vocab_size = 7\), got \[0, 9\]"):
+        lm.position_losses(model, torch.cat([ids, torch.tensor([9])]))
 
 
 def test_head_scores_on_perfect_patterns():
