@@ -23,6 +23,11 @@
   until the page has loaded what it loads by itself (see ``settle``), in place of Playwright's
   ``networkidle`` (which always waits 500 ms more).
   ``page.visit(url)`` empties storage, cookies and the records, then loads ``url``.
+  The search index is the site's own only in ``open_page(search=True)``: elsewhere its request
+  is answered with an index of no documents (the built index's own config), because Material's
+  search worker builds its index from the whole file on every page load, 0.5 s of Chromium's CPU
+  each time (measured here, 1.5 MB of index), and these tests read the page, not the search. The
+  search test (test_browser.py) loads the real index and searches it.
 - ``tabs``: ``tabs(viewport)`` is one such page per viewport for the whole session, to load many
   pages one after another with ``visit`` (a new context per load costs a new renderer process).
 - ``page``: ``open_page()`` at Playwright's default viewport, for one test.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import re
 import socket
@@ -154,12 +160,14 @@ def settle(page, timeout_s: float = 15.0) -> None:
 
 
 @pytest.fixture(scope="session")
-def open_page(browser, site_url: str):
+def open_page(browser, site_url: str, built_site: Path):
     """``with open_page(viewport) as page:`` a recorded page in a fresh context (module docstring)."""
     blocked = outside(site_url)
+    index = built_site / "search" / "search_index.json"
+    no_documents = json.dumps({"config": json.loads(index.read_text(encoding="utf-8"))["config"], "docs": []})
 
     @contextlib.contextmanager
-    def opened(viewport: dict | None = None):
+    def opened(viewport: dict | None = None, *, search: bool = False):
         context = browser.new_context(**({"viewport": viewport} if viewport else {}))
         try:
             page = context.new_page()
@@ -200,6 +208,9 @@ def open_page(browser, site_url: str):
             page.on("response", lambda response: response.status >= 400
                     and page.failed_responses.append(f"{response.status} {response.url}"))
             page.route(blocked, lambda route: route.abort())  # offline: recorded in page.requests, never sent
+            if not search:  # requested and answered as before, with no documents to index (module docstring)
+                page.route(f"{site_url}search/search_index.json", lambda route: route.fulfill(
+                    status=200, content_type="application/json", body=no_documents))
             page.settle = lambda: settle(page)
             page.visit = visit
             yield page

@@ -240,7 +240,14 @@ def test_instant_navigation_typesets_math(page, site_url: str, built_site: Path,
     assert_clean(page, site_url)
 
 
-def test_search_finds_a_page_offline(page, site_url: str):
+@pytest.fixture
+def searching_page(open_page):
+    with open_page(search=True) as page:  # the built search index, not conftest's empty one
+        yield page
+
+
+def test_search_finds_a_page_offline(searching_page, site_url: str):
+    page = searching_page
     query, expected = "padding_mask_from_tokens", "reference/masks/"
     page.goto(site_url)
     page.settle()
