@@ -229,6 +229,47 @@ def test_the_controls_read_in_both_schemes(page, site_url: str, scheme: str):
         assert (max(a, b) + 0.05) / (min(a, b) + 0.05) >= 4.5, (scheme, control)  # WCAG AA for text
 
 
+CONTROL_EDGES = """(widget, scheme) => {
+  const still = document.createElement('style');
+  still.textContent = '* { transition: none !important; }';
+  document.head.append(still);
+  document.body.setAttribute('data-md-color-scheme', scheme);
+  const page = getComputedStyle(document.body).backgroundColor.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const over = (c, under) => {
+    const [r, g, b, a = 1] = c.match(/[\\d.]+/g).map(Number);
+    return [r, g, b].map((x, k) => a * x + (1 - a) * under[k]);
+  };
+  return Array.from(widget.querySelectorAll('textarea, .charlm-controls input, .charlm-controls button:not(:disabled)'))
+    .map((c) => {
+      const style = getComputedStyle(c);
+      // what marks the control's edge: its border (when drawn), its fill, a slider's accent colour
+      const edges = [over(style.backgroundColor, page)];
+      if (style.borderTopStyle !== 'none' && parseFloat(style.borderTopWidth) >= 1) edges.push(over(style.borderTopColor, page));
+      // a slider's track and thumb take its accent colour; 'auto' is the browser's own: not known here
+      if (c.type === 'range') edges.splice(0, 1, style.accentColor === 'auto' ? page : over(style.accentColor, page));
+      return { name: c.tagName === 'BUTTON' ? c.textContent : c.type, page, edges };
+    });
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["default", "slate"])
+def test_every_controls_edge_stands_out_from_the_page_in_both_schemes(page, site_url: str, scheme: str):
+    """WCAG 1.4.11: the edge of each control (the text box, the slider, the number box, the buttons)
+    differs from the page's background by at least 3:1, in its border, its fill or (a slider) its
+    accent colour."""
+    widget = open_widget(page, site_url)
+    controls = widget.evaluate(CONTROL_EDGES, scheme)
+    assert {c["name"] for c in controls} >= {"textarea", "range", "number", "Next character", "Generate 60"}
+
+    def contrast(a, b):
+        a, b = _luminance(a), _luminance(b)
+        return (max(a, b) + 0.05) / (min(a, b) + 0.05)
+
+    for control in controls:
+        best = max(contrast(edge, control["page"]) for edge in control["edges"])
+        assert best >= 3, (scheme, control["name"], round(best, 2), control)
+
+
 def test_a_cleared_or_wrong_top_k_samples_among_every_character_and_says_so(page, site_url: str):
     widget = open_widget(page, site_url)
     status, top_k = widget.locator(".charlm-status"), widget.locator("input[type=number]")
