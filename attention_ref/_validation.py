@@ -37,6 +37,75 @@ def require_float_tensor(name: str, value: object, min_dims: int, layout: str) -
     return tensor
 
 
+def require_int_tensor(name: str, value: object, layout: str, dims: Sequence[int] = (1,), *,
+                       shape: Sequence[int] | None = None, device: torch.device | None = None,
+                       device_of: str = "query", lists: bool = False) -> torch.Tensor:
+    """The one check of an integer tensor argument (ids, lengths, offsets, tables).
+
+    Args:
+        name: the argument's name, for the messages.
+        value: what was given.
+        layout: its shape in the docs' legend, e.g. ``"(B,)"``, for the messages.
+        dims: the numbers of dimensions it may have.
+        shape: when given, the exact shape it must have (``layout`` names its axes).
+        device: when given, the device it must be on: that of the tensor named ``device_of``.
+        lists: accept a list of ints as well, made an int64 tensor (on ``device`` when given).
+
+    Raises:
+        TypeError: not a tensor (or a list of ints, with ``lists``), or bool, float or complex.
+        ValueError: another number of dims, another shape or another device.
+    """
+    if lists and isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise TypeError(f"{name} must be an integer tensor {layout} or a list of ints, got {value!r}")
+        value = torch.tensor(list(value), dtype=torch.long, device=device)
+    tensor = require_tensor(name, value)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor {layout}, got {tensor.dtype}")
+    if tensor.dim() not in dims or (shape is not None and tuple(tensor.shape) != tuple(shape)):
+        expected = f"{layout} = {fmt_shape(shape)}" if shape is not None else layout
+        raise ValueError(f"{name} must have shape {expected}, got shape {fmt_shape(tensor.shape)}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name} must be on the same device as {device_of} ({device}), got {tensor.device}")
+    return tensor
+
+
+def short_list(values: list[int]) -> str:
+    """Integers for a message: all of them, or the first and last few."""
+    if len(values) <= 12:
+        return str(values)
+    return f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-5:]))}]"
+
+
+def check_cu_seqlens(name: str, cu_seqlens: object, total: int | None = None, total_name: str = "",
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The one check of cumulative sequence lengths (``cu_seqlens``, ``cu_seqlens_q``, ...): ``(n + 1,)``
+    integers (a list of ints too) from 0 (to ``total``, named ``total_name``, when given),
+    non-decreasing, on ``device`` when given; returned as int64."""
+    cu = require_int_tensor(name, cu_seqlens, "(n + 1,)", lists=True, device=device)
+    if cu.numel() == 0:
+        raise ValueError(f"{name} must hold n + 1 >= 1 offsets starting at 0, got an empty tensor")
+    if cu.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds no values: the sequences' lengths are read "
+                         "from it (the mask depends on them); give it on the CPU or the query's device")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {values[0]} ({short_list(values)})")
+    drops = [s for s in range(len(values) - 1) if values[s + 1] < values[s]]
+    if drops:
+        s = drops[0]
+        raise ValueError(
+            f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{s}] = {values[s]} "
+            f"> {name}[{s + 1}] = {values[s + 1]} ({short_list(values)})"
+        )
+    if total is not None and values[-1] != total:
+        raise ValueError(
+            f"{name} must end at the packed length {total_name} = {total}, got {name}[-1] = {values[-1]} "
+            f"({short_list(values)})"
+        )
+    return cu.long()
+
+
 def require_same_dtype_and_device(**tensors: torch.Tensor) -> None:
     """All tensors share the first one's dtype and device."""
     (first_name, first), *rest = tensors.items()

@@ -118,8 +118,8 @@ from attention_ref._validation import (
     check_positive_int,
     fmt_shape,
     require_float_tensor,
+    require_int_tensor,
     require_same_dtype_and_device,
-    require_tensor,
 )
 from attention_ref.sinks import check_sinks, heads_of
 
@@ -1172,15 +1172,6 @@ def to_flash_mla(
     }
 
 
-def _int_tensor(name: str, value: object, layout: str, dims: int) -> torch.Tensor:
-    tensor = require_tensor(name, value)
-    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor {layout}, got {tensor.dtype}")
-    if tensor.dim() != dims:
-        raise ValueError(f"{name} must have shape {layout}, got {fmt_shape(tensor.shape)}")
-    return tensor
-
-
 def _equal_lengths(name: str, lengths: torch.Tensor, what: str) -> int:
     """The one length every sequence has; this package's form has one ``L`` and one ``S`` per batch."""
     values = sorted({int(n) for n in lengths.tolist()})
@@ -1273,8 +1264,8 @@ def from_flash_mla(
         raise TypeError(f"head_dim_v must be an int, got {type(head_dim_v).__name__}")
     if not 0 < head_dim_v <= D:
         raise ValueError(f"head_dim_v must be in 1 .. C + R = 1 .. {D}, got {head_dim_v}")
-    block_table = _int_tensor("block_table", block_table, "(B, max_blocks)", 2)
-    cache_seqlens = _int_tensor("cache_seqlens", cache_seqlens, "(B,)", 1)
+    block_table = require_int_tensor("block_table", block_table, "(B, max_blocks)", (2,))
+    cache_seqlens = require_int_tensor("cache_seqlens", cache_seqlens, "(B,)", (1,))
     if block_table.shape[0] != B or cache_seqlens.shape[0] != B:
         raise ValueError(
             f"block_table (B, max_blocks) and cache_seqlens (B,) must have B = {B} rows (from q "
@@ -1459,10 +1450,10 @@ def from_flashinfer_mla(
                                 ("head_dim_kpe", head_dim_kpe, R), ("page_size", page_size, size)):
         if given is not None and given != actual:
             raise ValueError(f"{name} = {given} disagrees with the tensors, which have {actual}")
-    qo_indptr = _int_tensor("qo_indptr", qo_indptr, "(B + 1,)", 1)
-    kv_indptr = _int_tensor("kv_indptr", kv_indptr, "(B + 1,)", 1)
-    kv_indices = _int_tensor("kv_indices", kv_indices, "(total pages,)", 1)
-    kv_len_arr = _int_tensor("kv_len_arr", kv_len_arr, "(B,)", 1)
+    qo_indptr = require_int_tensor("qo_indptr", qo_indptr, "(B + 1,)", (1,))
+    kv_indptr = require_int_tensor("kv_indptr", kv_indptr, "(B + 1,)", (1,))
+    kv_indices = require_int_tensor("kv_indices", kv_indices, "(total pages,)", (1,))
+    kv_len_arr = require_int_tensor("kv_len_arr", kv_len_arr, "(B,)", (1,))
     B = kv_len_arr.shape[0]
     if qo_indptr.shape[0] != B + 1 or kv_indptr.shape[0] != B + 1:
         raise ValueError(

@@ -75,11 +75,10 @@ import torch.multiprocessing as mp
 
 from attention_ref import _inputs
 from attention_ref import mods as _mods
-from attention_ref._validation import fmt_shape
+from attention_ref._validation import check_cu_seqlens, fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
 from attention_ref.tiled import BlockMask, _band_of, _batch_shape, _check_block_mask, _mod_sizes
-from attention_ref.varlen import _check_cu_seqlens
 
 __all__ = [
     "CommStats",
@@ -230,7 +229,7 @@ def _layout_offsets(caller: str, layout: str, cu_seqlens: object, total: int, wo
     if cu_seqlens is None:
         raise ValueError(f"{caller} with layout='zigzag-per-sequence' needs cu_seqlens (the packed sequences' "
                          "offsets): each sequence is cut into 2 * world chunks")
-    cu = _check_cu_seqlens("cu_seqlens", cu_seqlens, total, "the full length", device).tolist()
+    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, total, "the full length", device).tolist()
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         if (b - a) % (2 * world):
             raise ValueError(
@@ -762,7 +761,7 @@ def _wait(requests: list[Any]) -> None:
 
 def _documents(cu_seqlens: object, total: int, device: torch.device) -> torch.Tensor:
     """``(total,)`` int64: the index of the packed sequence each global position belongs to."""
-    cu = _check_cu_seqlens("cu_seqlens", cu_seqlens, total, "the full length (the local length x world)", device)
+    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, total, "the full length (the local length x world)", device)
     return torch.searchsorted(cu[1:].contiguous(), torch.arange(total, device=device), right=True)
 
 

@@ -47,7 +47,7 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from attention_ref import mods
-from attention_ref._validation import check_dense, check_positive_int, fmt_shape, require_tensor
+from attention_ref._validation import check_dense, check_positive_int, fmt_shape, require_int_tensor, require_tensor
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
 from attention_ref.tiled import BlockMask, _made_by
@@ -72,19 +72,6 @@ def _same_dtype_and_device(name: str, tensor: torch.Tensor, ref_name: str, ref: 
         raise TypeError(f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {tensor.dtype}")
     if tensor.device != ref.device:
         raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {tensor.device}")
-
-
-def _int_tensor(name: str, value: object, layout: str, shape: tuple[int, ...] | None, dims: int,
-                device: torch.device) -> torch.Tensor:
-    tensor = require_tensor(name, value)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor {layout}, got {tensor.dtype}")
-    if tensor.dim() != dims or (shape is not None and tuple(tensor.shape) != shape):
-        expected = f"{layout} = {fmt_shape(shape)}" if shape is not None else layout
-        raise ValueError(f"{name} must have shape {expected}, got shape {fmt_shape(tensor.shape)}")
-    if tensor.device != device:
-        raise ValueError(f"{name} must be on the same device as query ({device}), got {tensor.device}")
-    return tensor
 
 
 def _check_dtype(dtype: object) -> torch.dtype:
@@ -148,7 +135,7 @@ def kv_cache_mask_mod(cache_seqlens: torch.Tensor, num_queries: int, *, is_causa
         [[1, 1, 0], [1, 1, 1]]
     """
     tensor = require_tensor("cache_seqlens", cache_seqlens)
-    _int_tensor("cache_seqlens", tensor, "(B,)", None, 1, tensor.device)
+    require_int_tensor("cache_seqlens", tensor, "(B,)")
     check_positive_int("num_queries", num_queries, allow_zero=True)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
@@ -336,7 +323,7 @@ def attention_with_kv_cache(
         check_sinks(sinks, H, query, rows=(B, H, Lq))  # per query head (dim 1), not per key/value head, or per query
     if paged:
         num_blocks, _, block_size, _ = key_cache.shape
-        block_table = _int_tensor("block_table", block_table, "(B, max_blocks)", None, 2, query.device)
+        block_table = require_int_tensor("block_table", block_table, "(B, max_blocks)", (2,), device=query.device)
         if block_table.shape[0] != B:
             raise ValueError(
                 f"block_table must have one row per sequence, (B, max_blocks) with B = {B}, "
@@ -359,7 +346,7 @@ def attention_with_kv_cache(
                 " (for a paged pool, pass block_table)"
             )
         capacity = key_cache.shape[2]
-    cache_seqlens = _int_tensor("cache_seqlens", cache_seqlens, "(B,)", (B,), 1, query.device)
+    cache_seqlens = require_int_tensor("cache_seqlens", cache_seqlens, "(B,)", shape=(B,), device=query.device)
     S = 0
     if B:
         low, S = int(cache_seqlens.min()), int(cache_seqlens.max())

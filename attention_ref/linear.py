@@ -88,12 +88,12 @@ Examples:
 from __future__ import annotations
 
 import math
-from itertools import pairwise
 
 import torch
 
 from attention_ref._inputs import check_bool
 from attention_ref._validation import (
+    check_cu_seqlens,
     check_dense,
     check_positive_int,
     check_scale,
@@ -169,20 +169,12 @@ def _check_log_gate(name: str, g: torch.Tensor) -> None:
         )
 
 
-def _check_cu_seqlens(cu_seqlens: object, B: int, L: int) -> list[int] | None:
-    """``(N + 1,)`` cumulative lengths from 0 to ``L``, non-decreasing, with ``B == 1``."""
+def _packed_bounds(cu_seqlens: object, B: int, L: int, device: torch.device) -> list[int] | None:
+    """The sequences' bounds from ``cu_seqlens`` (`check_cu_seqlens`: 0 to ``L``, on ``device``), which
+    packs them along ``L`` with ``B == 1``; None without it."""
     if cu_seqlens is None:
         return None
-    cu = require_tensor("cu_seqlens", cu_seqlens)
-    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
-        raise TypeError(f"cu_seqlens must be an integer tensor (N + 1,), got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D (N + 1,) with N >= 1, got shape {fmt_shape(cu.shape)}")
-    bounds = [int(x) for x in cu.tolist()]
-    if bounds[0] != 0 or bounds[-1] != L:
-        raise ValueError(f"cu_seqlens must run from 0 to the packed length L={L}, got {bounds[0]} to {bounds[-1]}")
-    if any(b < a for a, b in pairwise(bounds)):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    bounds = check_cu_seqlens("cu_seqlens", cu_seqlens, L, "L", device).tolist()
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed along L and B must be 1, got B={B}")
     return bounds
@@ -647,7 +639,7 @@ def _prepare_delta(name_g, q, k, v, g, beta, g_shape, g_layout, initial_state, m
     _check_mode(mode, _DELTA_MODES)
     check_positive_int("chunk_size", chunk_size)
     check_scale(scale)
-    bounds = _check_cu_seqlens(cu_seqlens, B, L)
+    bounds = _packed_bounds(cu_seqlens, B, L, q.device)
     N = B if bounds is None else len(bounds) - 1
     initial_state = _check_state(initial_state, N, Hv, E, Ev, q, bounds is not None)
     return g, beta, initial_state, bounds
@@ -903,7 +895,7 @@ def gated_linear_attention(
     _check_mode(mode, _GLA_MODES)
     check_positive_int("chunk_size", chunk_size)
     check_scale(scale)
-    bounds = _check_cu_seqlens(cu_seqlens, B, L)
+    bounds = _packed_bounds(cu_seqlens, B, L, q.device)
     N = B if bounds is None else len(bounds) - 1
     initial_state = _check_state(initial_state, N, Hv, E, Ev, q, bounds is not None)
     g = g if g.dim() == 4 else g[..., None]  # (B, L, Hv) -> (B, L, Hv, 1): one decay for all key channels

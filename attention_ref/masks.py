@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from attention_ref import mods
-from attention_ref._validation import check_positive_int, fmt_shape, require_tensor
+from attention_ref._validation import check_positive_int, fmt_shape, require_int_tensor, require_tensor
 
 __all__ = [
     "causal_mask",
@@ -89,12 +89,8 @@ def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
         >>> padding_mask(torch.tensor([2, 3]), 4).int().squeeze(1).squeeze(1).tolist()
         [[1, 1, 0, 0], [1, 1, 1, 0]]
     """
-    lengths = require_tensor("lengths", lengths)
+    lengths = require_int_tensor("lengths", lengths, "(B,)")
     check_positive_int("S", S, allow_zero=True)
-    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
-    if lengths.dim() != 1:
-        raise ValueError(f"lengths must be 1-D (B,), got shape {fmt_shape(lengths.shape)}")
     if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > S):
         raise ValueError(
             f"lengths must lie in [0, S] = [0, {S}], got values from {int(lengths.min())} "
@@ -122,9 +118,7 @@ def padding_mask_from_tokens(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
         >>> padding_mask_from_tokens(torch.tensor([[5, 7, 0]]), pad_id=0).shape
         torch.Size([1, 1, 1, 3])
     """
-    tokens = require_tensor("tokens", tokens)
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must be 2-D (B, S), got shape {fmt_shape(tokens.shape)}")
+    tokens = require_int_tensor("tokens", tokens, "(B, S)", (2,))
     if isinstance(pad_id, bool) or not isinstance(pad_id, int):
         raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
     B, S = tokens.shape

@@ -42,7 +42,13 @@ from typing import Any
 
 import torch
 
-from attention_ref._validation import check_dense, check_device, check_positive_int, fmt_shape, require_tensor
+from attention_ref._validation import (
+    check_dense,
+    check_device,
+    check_positive_int,
+    fmt_shape,
+    require_int_tensor,
+)
 
 __all__ = [
     "alibi",
@@ -98,15 +104,6 @@ def _check_window_side(name: str, value: object) -> int | None:
     if value < 0:
         raise ValueError(f"{name} must be a non-negative int or None (unbounded), got {value}")
     return _in_range(name, value, 0)
-
-
-def _require_int_tensor(name: str, value: object, layout: str, dims: Sequence[int]) -> torch.Tensor:
-    tensor = require_tensor(name, value)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {tensor.dtype}")
-    if tensor.dim() not in dims:
-        raise ValueError(f"{name} must have shape {layout}, got shape {fmt_shape(tensor.shape)}")
-    return tensor
 
 
 def _positional_arity(fn: Callable[..., object]) -> tuple[int, int | None]:
@@ -368,7 +365,7 @@ def chunked(size: int, offset: int = 0, *, start: torch.Tensor | None = None) ->
 
         return chunked_mask_mod
 
-    start = _require_int_tensor("start", start, "(B,)", (1,))
+    start = require_int_tensor("start", start, "(B,)", (1,))
     if start.numel() and int(start.min()) < 0:
         raise ValueError(f"start must be non-negative (left padding slots), got a minimum of {int(start.min())}")
 
@@ -407,7 +404,7 @@ def prefix_lm(prefix_length: int | torch.Tensor, offset: int = 0) -> MaskMod:
     """
     offset = _check_int("offset", offset)
     if isinstance(prefix_length, torch.Tensor):
-        prefix = _require_int_tensor("prefix_length", prefix_length, "(B,)", (1,))
+        prefix = require_int_tensor("prefix_length", prefix_length, "(B,)", (1,))
         if prefix.numel() and int(prefix.min()) < 0:
             raise ValueError(f"prefix_length must be non-negative, got a minimum of {int(prefix.min())}")
 
@@ -466,8 +463,8 @@ def document(document_ids: torch.Tensor, kv_document_ids: torch.Tensor | None = 
         >>> create_mask(document(ids), None, None, 3, 3)[0, 0].int().tolist()
         [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
     """
-    q_ids = _require_int_tensor("document_ids", document_ids, "(L,) or (B, L)", (1, 2))
-    kv_ids = q_ids if kv_document_ids is None else _require_int_tensor(
+    q_ids = require_int_tensor("document_ids", document_ids, "(L,) or (B, L)", (1, 2))
+    kv_ids = q_ids if kv_document_ids is None else require_int_tensor(
         "kv_document_ids", kv_document_ids, "(S,) or (B, S)", (1, 2)
     )
     if kv_ids.dim() != q_ids.dim() or (q_ids.dim() == 2 and kv_ids.shape[0] != q_ids.shape[0]):
@@ -536,7 +533,7 @@ def padding(lengths: torch.Tensor, side: str = "right", *, total: int | None = N
         >>> create_mask(left, 2, None, 1, 3)[:, 0, 0].int().tolist()
         [[0, 0, 1], [1, 1, 1]]
     """
-    lengths = _require_int_tensor("lengths", lengths, "(B,)", (1,))
+    lengths = require_int_tensor("lengths", lengths, "(B,)", (1,))
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"lengths must be non-negative, got a minimum of {int(lengths.min())}")
     if side not in ("right", "left"):
@@ -597,7 +594,7 @@ def padding_tokens(tokens: torch.Tensor, pad_id: int) -> MaskMod:
         >>> create_mask(padding_tokens(torch.tensor([[0, 5, 7]]), 0), 1, None, 1, 3)[0, 0].int().tolist()
         [[0, 1, 1]]
     """
-    tokens = _require_int_tensor("tokens", tokens, "(B, S)", (2,))
+    tokens = require_int_tensor("tokens", tokens, "(B, S)", (2,))
     pad_id = _check_int("pad_id", pad_id)
     keep = tokens != pad_id  # (B, S)
 

@@ -48,10 +48,13 @@ import torch
 from attention_ref import mods
 from attention_ref._inputs import check_bool
 from attention_ref._validation import (
+    check_cu_seqlens,
     fmt_shape,
     require_float_tensor,
+    require_int_tensor,
     require_same_dtype_and_device,
     require_tensor,
+    short_list,
 )
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
@@ -63,68 +66,14 @@ __all__ = ["cu_seqlens_from_lengths", "pack", "unpack", "varlen_attention", "var
 # --- argument checks ---------------------------------------------------------------------------
 
 
-def _int_tensor(name: str, value: object, layout: str) -> torch.Tensor:
-    """A 1-D integer tensor (a list of ints is converted); bool and float are refused."""
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-            raise TypeError(f"{name} must be a 1-D integer tensor {layout} or a list of ints, got {value!r}")
-        value = torch.tensor(list(value), dtype=torch.long)
-    tensor = require_tensor(name, value)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor {layout}, got {tensor.dtype}")
-    if tensor.dim() != 1:
-        raise ValueError(f"{name} must be 1-D {layout}, got shape {fmt_shape(tensor.shape)}")
-    return tensor
-
-
 def _check_lengths(name: str, lengths: object, like: torch.Tensor | None = None) -> torch.Tensor:
     """``(B,)`` non-negative integer lengths, as int64; on ``like``'s device when given
     (a list is made there, a tensor elsewhere is refused)."""
-    tensor = _int_tensor(name, lengths, "(B,)")
-    if like is not None and not isinstance(lengths, torch.Tensor):
-        tensor = tensor.to(like.device)
-    if like is not None and tensor.device != like.device:
-        raise ValueError(f"{name} must be on the same device as x ({like.device}), got {tensor.device}")
+    device = None if like is None else like.device
+    tensor = require_int_tensor(name, lengths, "(B,)", device=device, device_of="x", lists=True)
     if tensor.numel() and int(tensor.min()) < 0:
-        raise ValueError(f"{name} must be non-negative, got {_short(tensor.tolist())}")
+        raise ValueError(f"{name} must be non-negative, got {short_list(tensor.tolist())}")
     return tensor.long()
-
-
-def _check_cu_seqlens(
-    name: str, cu_seqlens: object, total: int | None = None, total_name: str = "", device: torch.device | None = None
-) -> torch.Tensor:
-    """``(n + 1,)`` integers from 0 (to ``total`` when given), non-decreasing; returned as int64."""
-    cu = _int_tensor(name, cu_seqlens, "(n + 1,)")
-    if device is not None and cu.device != device:
-        raise ValueError(f"{name} must be on the same device as query ({device}), got {cu.device}")
-    if cu.numel() == 0:
-        raise ValueError(f"{name} must hold n + 1 >= 1 offsets starting at 0, got an empty tensor")
-    if cu.is_meta:
-        raise ValueError(f"{name} is on the meta device, which holds no values: the sequences' lengths are read "
-                         "from it (the mask depends on them); give it on the CPU or the query's device")
-    values = cu.tolist()
-    if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0] = {values[0]} ({_short(values)})")
-    drops = [s for s in range(len(values) - 1) if values[s + 1] < values[s]]
-    if drops:
-        s = drops[0]
-        raise ValueError(
-            f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{s}] = {values[s]} "
-            f"> {name}[{s + 1}] = {values[s + 1]} ({_short(values)})"
-        )
-    if total is not None and values[-1] != total:
-        raise ValueError(
-            f"{name} must end at the packed length {total_name} = {total}, got {name}[-1] = {values[-1]} "
-            f"({_short(values)})"
-        )
-    return cu.long()
-
-
-def _short(values: list[int]) -> str:
-    """The offsets for a message: all of them, or the first and last few."""
-    if len(values) <= 12:
-        return str(values)
-    return f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-5:]))}]"
 
 
 def _check_packed(name: str, value: object, layout: str) -> torch.Tensor:
@@ -228,7 +177,7 @@ def pack(x: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> tuple[torch.
     if B and int(lengths.max()) > max_length:
         raise ValueError(
             f"lengths must be <= the padded length Lmax = {max_length} (x.shape[-2]), "
-            f"got {_short(lengths.tolist())}"
+            f"got {short_list(lengths.tolist())}"
         )
     # (B, ..., Lmax, F) -> (..., B, Lmax, F) -> (..., B * Lmax, F): each sequence's rows side by side
     rows = x.movedim(0, -3).flatten(-3, -2)
@@ -264,7 +213,7 @@ def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int | Non
     packed = require_tensor("packed", packed)
     if packed.dim() < 2:
         raise ValueError(f"packed must have at least 2 dims (..., total, F), got shape {fmt_shape(packed.shape)}")
-    cu = _check_cu_seqlens("cu_seqlens", cu_seqlens, packed.shape[-2], "packed.shape[-2]", packed.device)
+    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, packed.shape[-2], "packed.shape[-2]", packed.device)
     lengths = cu[1:] - cu[:-1]  # (B + 1,) -> (B,)
     longest = int(lengths.max()) if lengths.numel() else 0
     if max_length is None:
@@ -364,8 +313,8 @@ def varlen_mask_mod(
         [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
     """
     check_bool("is_causal", is_causal)
-    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
-    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     _check_same_count(cu_q, cu_k)
     return _mask_mod(cu_q, cu_k, is_causal)
 
@@ -506,8 +455,8 @@ def varlen_attention(
         )
     if sinks is not None:
         check_sinks(sinks, H, query, rows=(H, total_q))  # per query head (dim 0), shared by every sequence, or per query
-    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (query.shape[1])", query.device)
-    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (key.shape[1])", query.device)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (query.shape[1])", query.device)
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (key.shape[1])", query.device)
     _check_same_count(cu_q, cu_k)
     keep = _mask_mod(cu_q, cu_k, is_causal) if block_mask is None else _block_mask_for(block_mask, cu_q, cu_k, is_causal)
     # (H, total_q, E) x (Hkv, total_k, E) -> scores (H, total_q, total_k), masked -> (H, total_q, Ev);

@@ -162,6 +162,7 @@ OWN_TESTS: dict[str, str] = {
     "tests/test_gpu_session.py": "the GPU session script's plan and records, run on the CPU",
     "tests/test_lm.py": "page 11's model against an independent float64 forward and its own shipped record",
     "tests/test_measured.py": "the committed measurement files against their provenance",
+    "tests/test_one_message_per_mistake.py": "the package's own argument checks and their messages",
     "tests/test_properties.py": "hypothesis properties of the package's functions against each other",
     "tests/test_recall.py": "the MQAR task and mixers against float64 formulas, the shipped models' records",
     "tests/test_structure.py": "the project's layout and import direction",

@@ -525,7 +525,7 @@ def test_errors_name_the_argument_and_the_values():
         gated_delta_rule(q, k, v, g, beta, chunk_size=0)
     with pytest.raises(ValueError, match=r"B must be 1, got B=3"):
         gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 11]))
-    with pytest.raises(ValueError, match=r"from 0 to the packed length L=11, got 0 to 10"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must end at the packed length L = 11, got cu_seqlens\[-1\] = 10"):
         gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 4, 10]))
     with pytest.raises(TypeError, match=r"cu_seqlens must be an integer tensor"):
         gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0.0, 11.0]))

@@ -342,7 +342,7 @@ ERRORS = {  # name: (argument changed, exception, message)
     ),
     "cu_seqlens 2-D": (
         {"cu_seqlens_q": torch.tensor([[0, 2, 5]])}, ValueError,
-        r"cu_seqlens_q must be 1-D \(n \+ 1,\), got shape \(1, 3\)",
+        r"cu_seqlens_q must have shape \(n \+ 1,\), got shape \(1, 3\)",
     ),
     "cu_seqlens empty": (
         {"cu_seqlens_q": torch.tensor([], dtype=torch.long)}, ValueError,
@@ -432,7 +432,7 @@ HELPER_ERRORS = {  # name: (call, exception, message)
     ),
     "float in list": (
         lambda: pack(torch.zeros(2, 4, 3), [1, 2.5]), TypeError,
-        r"lengths must be a 1-D integer tensor \(B,\) or a list of ints",
+        r"lengths must be an integer tensor \(B,\) or a list of ints",
     ),
     "lengths on another device": (
         lambda: pack(torch.zeros(2, 4, 3), torch.tensor([1, 2], device="meta")), ValueError,
@@ -460,7 +460,7 @@ HELPER_ERRORS = {  # name: (call, exception, message)
     ),
     "lengths 2-D": (
         lambda: cu_seqlens_from_lengths(torch.tensor([[1, 2]])), ValueError,
-        r"lengths must be 1-D \(B,\), got shape \(1, 2\)",
+        r"lengths must have shape \(B,\), got shape \(1, 2\)",
     ),
 }
 
