@@ -38,7 +38,7 @@ from attention_ref._validation import (
     require_tensor,
 )
 
-__all__ = ["rope", "rope_permutation", "sinusoidal"]
+__all__ = ["apply_rope", "rope", "rope_permutation", "sinusoidal"]
 
 
 def sinusoidal(
@@ -186,6 +186,59 @@ def rope(
     else:
         out = torch.cat((a_rot, b_rot), dim=-1)  # (..., L, E)
     return out.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = True) -> torch.Tensor:
+    r"""Rotate the feature pairs of ``x`` by precomputed angles (MLA's decoupled RoPE, the sparse
+    indexer's keys).
+
+    Pair ``j`` ``(a, b)`` becomes ``(a cos - b sin, b cos + a sin)`` with the angle
+    of column ``j`` of ``cos``/``sin``. With ``interleaved=True`` (DeepSeek's
+    layout) the pairs are ``(x[2j], x[2j + 1])`` and the rotated pairs stay in place;
+    with ``False`` they are ``(x[j], x[j + R/2])`` (half-split). Unlike
+    `rope`, the angles come from the caller, so YaRN's frequencies and
+    ``attention_factor`` fit in (`attention_ref.mla.MultiHeadLatentAttention.rotary`). transformers'
+    ``apply_rotary_pos_emb_interleave`` writes its result de-interleaved
+    (``[a' for all pairs | b' for all pairs]``): a fixed permutation of the
+    features, the same for queries and keys, so every score is the same.
+
+    Args:
+        x: ``(..., L, R)``, ``R`` even.
+        cos: ``(..., L, R/2)``, broadcastable against ``x``'s leading dims.
+        sin: the same shape as ``cos``.
+        interleaved: the pair layout.
+
+    Returns:
+        The rotated ``x``, same shape and dtype.
+
+    Raises:
+        TypeError: non-float tensors.
+        ValueError: an odd ``R``, or ``cos``/``sin`` whose last dim is not ``R/2``.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=torch.float64)  # pairs (1, 0), (1, 0)
+        >>> angle = torch.tensor([[math.pi / 2, 0.0]], dtype=torch.float64)  # 90 degrees, then 0
+        >>> apply_rope(x, angle.cos(), angle.sin()).round(decimals=4).tolist()
+        [[0.0, 1.0, 1.0, 0.0]]
+    """
+    x = require_float_tensor("x", x, 1, "(..., L, R)")
+    cos = require_float_tensor("cos", cos, 1, "(..., L, R/2)")
+    sin = require_float_tensor("sin", sin, 1, "(..., L, R/2)")
+    R = x.shape[-1]
+    if R % 2 or cos.shape[-1] != R // 2 or sin.shape != cos.shape:
+        raise ValueError(
+            f"x must have an even last dim R and cos, sin the shape (..., L, R/2) = (..., {R // 2}): "
+            f"got x {fmt_shape(x.shape)}, cos {fmt_shape(cos.shape)}, sin {fmt_shape(sin.shape)}"
+        )
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]  # (..., L, R/2) each: pairs (x[2j], x[2j+1])
+    else:
+        a, b = x[..., : R // 2], x[..., R // 2 :]  # (..., L, R/2) each: pairs (x[j], x[j+R/2])
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    a_rot, b_rot = a * cos - b * sin, b * cos + a * sin  # (..., L, R/2) each
+    if interleaved:
+        return torch.stack((a_rot, b_rot), dim=-1).flatten(-2)  # (..., L, R/2, 2) -> (..., L, R)
+    return torch.cat((a_rot, b_rot), dim=-1)  # (..., L, R)
 
 
 def _check_positions(positions: object, x: torch.Tensor) -> None:

@@ -91,6 +91,7 @@ from attention_ref._validation import (
     require_tensor,
 )
 from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.positional import apply_rope
 
 __all__ = [
     "LightningIndexer",
@@ -425,7 +426,7 @@ def indexer_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     as Llama in transformers), rotated by the angle of column ``j``; features
     ``R`` and on pass through. The main MLA attention of the same model does the
     opposite on both counts: interleaved pairs on the **last** ``R`` features
-    (`attention_ref.mla.apply_rope`). transformers' rotary tables are
+    (`attention_ref.positional.apply_rope`). transformers' rotary tables are
     ``(B, L, R)`` with the two halves equal: pass ``cos[..., :R // 2]``.
 
     Args:
@@ -446,8 +447,6 @@ def indexer_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         >>> indexer_rope(x, cos, sin).tolist()  # (L, R/2) = (1, 1): one pair, rotated
         [[0.6, 0.8, 5.0]]
     """
-    from attention_ref.mla import apply_rope
-
     x = require_float_tensor("x", x, 2, "(..., L, E)")
     cos = require_float_tensor("cos", cos, 1, "(..., L, R/2)")
     R = 2 * cos.shape[-1]

@@ -202,7 +202,7 @@ def test_bad_padding_mask_lengths():
         padding_mask(torch.tensor([2, 6]), 5)
     with pytest.raises(ValueError, match=_msg("lengths", "[0, S] = [0, 5]", "from -1 to 3")):
         padding_mask(torch.tensor([-1, 3]), 5)
-    with pytest.raises(ValueError, match=_msg("lengths", "1-D (B,)", "(2, 1)")):
+    with pytest.raises(ValueError, match=_msg("lengths must have shape (B,)", "got shape (2, 1)")):
         padding_mask(torch.tensor([[2], [3]]), 5)
     with pytest.raises(TypeError, match=_msg("lengths", "integer tensor", "torch.float32")):
         padding_mask(torch.tensor([2.0]), 5)
@@ -213,7 +213,7 @@ def test_bad_padding_mask_lengths():
 
 
 def test_bad_padding_mask_from_tokens():
-    with pytest.raises(ValueError, match=_msg("tokens", "2-D (B, S)", "(5,)")):
+    with pytest.raises(ValueError, match=_msg("tokens must have shape (B, S)", "got shape (5,)")):
         padding_mask_from_tokens(torch.tensor([1, 2, 0, 0, 0]), 0)
     with pytest.raises(TypeError, match=_msg("pad_id", "int", "got float")):
         padding_mask_from_tokens(torch.tensor([[1, 0]]), 0.0)

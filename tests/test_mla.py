@@ -115,6 +115,13 @@ def test_cache_sizes():
     assert cache.memory_bytes == B * S * (C + R) * 8
 
 
+def test_apply_rope_lives_in_positional_and_the_old_path_still_imports_it():
+    from attention_ref import mla, positional
+
+    assert mla.apply_rope is positional.apply_rope and "apply_rope" in positional.__all__
+    assert "apply_rope" not in mla.__all__  # documented once, on the positional page
+
+
 def test_apply_rope_interleaved_and_half_split_agree_up_to_a_permutation():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(L, R, generator=g, dtype=F64)

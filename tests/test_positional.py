@@ -367,4 +367,4 @@ def test_rope_permutation_errors():
 
 
 def test_module_exports():
-    assert set(positional.__all__) == {"rope", "rope_permutation", "sinusoidal"}
+    assert set(positional.__all__) == {"apply_rope", "rope", "rope_permutation", "sinusoidal"}

@@ -295,7 +295,7 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     apply_rotary_pos_emb,
 )
 
-from attention_ref.mla import apply_rope
+from attention_ref.positional import apply_rope
 from attention_ref.sparse import (
     LightningIndexer,
     assert_topk_close,
