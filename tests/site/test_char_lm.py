@@ -26,6 +26,12 @@ import torch
 from attention_ref import lm
 from test_map_slider import _luminance  # WCAG's relative luminance of an sRGB colour
 
+
+def _contrast(a, b) -> float:
+    """WCAG's contrast ratio of two sRGB colours, 1 to 21."""
+    a, b = _luminance(a), _luminance(b)
+    return (max(a, b) + 0.05) / (min(a, b) + 0.05)
+
 PAGE = "tutorial/11-language-model/"
 WIDGET = "div.charlm"
 MANIFEST = "assets/char-lm/char-lm.json"
@@ -198,19 +204,23 @@ def test_fits_a_phone(page, site_url: str):
     assert not page.console_errors
 
 
-BUTTON_COLOURS = """(widget, scheme) => {
-  // Material's buttons fade to a new colour in 125 ms, longer on a loaded machine: no fading here,
-  // so that what is read is the colour they settle on
+#: The start of a function ``(widget, scheme) => ...`` that reads colours: the scheme set, transitions
+#: off (Material's buttons fade to a new colour in 125 ms, longer on a loaded machine: what is read is
+#: the colour they settle on), ``page`` the page's background and ``over(c, under)`` a colour with an
+#: alpha as the eye sees it over ``under``.
+IN_SCHEME = """(widget, scheme) => {
   const still = document.createElement('style');
   still.textContent = '* { transition: none !important; }';
   document.head.append(still);
   document.body.setAttribute('data-md-color-scheme', scheme);
   const page = getComputedStyle(document.body).backgroundColor.match(/[\\d.]+/g).slice(0, 3).map(Number);
-  const over = (c, under) => {  // a colour with an alpha, as the eye sees it over `under`
+  const over = (c, under) => {
     const [r, g, b, a = 1] = c.match(/[\\d.]+/g).map(Number);
     return [r, g, b].map((x, k) => a * x + (1 - a) * under[k]);
   };
-  return Array.from(widget.querySelectorAll('.charlm-controls button:not(:disabled), .charlm-controls input[type=number]'))
+"""
+
+BUTTON_COLOURS = IN_SCHEME + """  return Array.from(widget.querySelectorAll('.charlm-controls button:not(:disabled), .charlm-controls input[type=number]'))
     .map((b) => {
       const style = getComputedStyle(b);
       const background = over(style.backgroundColor, page);
@@ -225,21 +235,10 @@ def test_the_controls_read_in_both_schemes(page, site_url: str, scheme: str):
     controls = widget.evaluate(BUTTON_COLOURS, scheme)
     assert {c["name"] for c in controls} >= {"Next character", "Generate 60"}
     for control in controls:
-        a, b = _luminance(control["text"]), _luminance(control["background"])
-        assert (max(a, b) + 0.05) / (min(a, b) + 0.05) >= 4.5, (scheme, control)  # WCAG AA for text
+        assert _contrast(control["text"], control["background"]) >= 4.5, (scheme, control)  # WCAG AA for text
 
 
-CONTROL_EDGES = """(widget, scheme) => {
-  const still = document.createElement('style');
-  still.textContent = '* { transition: none !important; }';
-  document.head.append(still);
-  document.body.setAttribute('data-md-color-scheme', scheme);
-  const page = getComputedStyle(document.body).backgroundColor.match(/[\\d.]+/g).slice(0, 3).map(Number);
-  const over = (c, under) => {
-    const [r, g, b, a = 1] = c.match(/[\\d.]+/g).map(Number);
-    return [r, g, b].map((x, k) => a * x + (1 - a) * under[k]);
-  };
-  return Array.from(widget.querySelectorAll('textarea, .charlm-controls input, .charlm-controls button:not(:disabled)'))
+CONTROL_EDGES = IN_SCHEME + """  return Array.from(widget.querySelectorAll('textarea, .charlm-controls input, .charlm-controls button:not(:disabled)'))
     .map((c) => {
       const style = getComputedStyle(c);
       // what marks the control's edge: its border (when drawn), its fill, a slider's accent colour
@@ -260,13 +259,8 @@ def test_every_controls_edge_stands_out_from_the_page_in_both_schemes(page, site
     widget = open_widget(page, site_url)
     controls = widget.evaluate(CONTROL_EDGES, scheme)
     assert {c["name"] for c in controls} >= {"textarea", "range", "number", "Next character", "Generate 60"}
-
-    def contrast(a, b):
-        a, b = _luminance(a), _luminance(b)
-        return (max(a, b) + 0.05) / (min(a, b) + 0.05)
-
     for control in controls:
-        best = max(contrast(edge, control["page"]) for edge in control["edges"])
+        best = max(_contrast(edge, control["page"]) for edge in control["edges"])
         assert best >= 3, (scheme, control["name"], round(best, 2), control)
 
 
