@@ -1391,8 +1391,13 @@ def _run_worker(rank: int, world: int, fn: Callable[..., Any], args: tuple[Any, 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     try:
+        # torch no longer waits for every rank after building the group: without this barrier a rank whose
+        # `fn` does no collective can leave, closing its sockets, while another is still connecting to it
+        # (gloo: "connectFullMesh failed ... Connection closed by peer", seen once in a check).
+        dist.barrier()
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(folder, f"result_{rank}.pt"))
+        dist.barrier()  # and none leaves while another may still be reading what it sent
     finally:
         dist.destroy_process_group()
 
