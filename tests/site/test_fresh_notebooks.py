@@ -112,6 +112,10 @@ def _fresh_python(built_site: Path, base: Path, reuse: bool) -> Path:
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "VIRTUAL_ENV": str(venv)}
     env.pop("PYTHONPATH", None)
+    # pip compiles every module it installs to bytecode, one at a time; here only what the notebooks
+    # import is compiled, as they import it (dev.py lets its processes write bytecode): the install
+    # line is the reader's, word for word, and so are the files it installs
+    env["PIP_NO_COMPILE"] = "1"
     install = subprocess.run(notebooks_hook.INSTALL_LINE, shell=True, cwd=clone, env=env,
                              capture_output=True, text=True)
     if install.returncode != 0:
