@@ -184,10 +184,21 @@ def prepare(
     return query, key, value, mask, resolved
 
 
-def check_scores_finite(scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+def check_scores_finite(scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
     """Refuse scores ``q . k * scale`` that overflowed the compute dtype from finite inputs (they would
-    make NaN weights). Inputs holding inf or NaN are left to propagate them, as torch does."""
-    if scores.device.type == "meta" or bool(torch.isfinite(scores).all()):
+    make NaN weights). Inputs holding inf or NaN are left to propagate them, as torch does.
+
+    Where ``|q . k * scale| <= |scale| * E * max|q| * max|k|`` is far below the dtype's largest value (the usual case),
+    no score can have overflowed and the ``(..., L, S)`` scores are not read again: a pass over the
+    queries and keys, ``S / E`` times smaller, decides. (The bound leaves half the range for rounding:
+    a sum of ``E`` products rounds up by far less than a factor of 2.)"""
+    if scores.device.type == "meta" or not scores.numel():
+        return
+    if query.numel() and key.numel() and query.shape[-1]:
+        largest = abs(scale) * query.shape[-1] * float(query.detach().abs().amax()) * float(key.detach().abs().amax())
+        if largest <= torch.finfo(scores.dtype).max / 2:  # False when an input holds NaN or inf
+            return
+    if bool(torch.isfinite(scores).all()):
         return
     if bool(torch.isfinite(query).all()) and bool(torch.isfinite(key).all()):
         raise ValueError(

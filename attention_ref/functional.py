@@ -72,7 +72,7 @@ def _masked_scores(
     _inputs.check_dense("attention", shape, compute, query.device)  # before the (..., L, S) tensors exist
     # (..., L, E) @ (..., E, S) -> (..., L, S), in at least float32 so large scores cannot overflow.
     scores = torch.matmul(query.to(compute), key.to(compute).transpose(-2, -1)) * scale
-    _inputs.check_scores_finite(scores, query, key)  # finite inputs must not give inf scores (NaN weights)
+    _inputs.check_scores_finite(scores, query, key, scale)  # finite inputs must not give inf scores (NaN weights)
     L, S = scores.shape[-2], scores.shape[-1]
     if score_mod is not None:
         scores = _mods.apply_score_mod(score_mod, scores)  # (..., L, S) -> (..., L, S)
@@ -85,7 +85,7 @@ def _masked_scores(
         keep = _mods.apply_mask_mod(mask_mod, scores.shape[:-2], L, S, scores.device)  # broadcasts to (..., L, S)
         allowed = keep if allowed is None else allowed & keep
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = torch.where(allowed, scores, float("-inf"))  # one pass: no negated mask made first
     return scores
 
 
