@@ -18,7 +18,9 @@ recorded what each block printed (docs/hooks/build_record.py, the file named by
 ``ATTENTION_REF_BUILD_RECORD``), and the shown code is compared with that. Only a page whose
 shown code prints something else than the build is then run as written here (once: the
 build's run counts as the first) and judged as above: so a page's code runs twice per check
-(the build, the shown code), not three times, and a page with a measured value three times.
+(the build, the shown code), not three times. A block that prints a measured value runs twice more, with
+the blocks of its own session before it (page 11 times its KV cache in a session of its own, so
+that this is one block), and the page as written up to it only when that cannot tell.
 """
 
 from __future__ import annotations
@@ -120,6 +122,16 @@ def describe(output: str) -> str:
                     output)[:600]
 
 
+def varying_alone(blocks, which: list[int], run_blocks) -> list[int]:
+    """Those of the blocks ``which`` that print something else when the blocks of their own session
+    up to them (a block of no session: itself alone) are run twice by ``run_blocks(subset)``."""
+    sessions = {blocks[i].session for i in which if blocks[i].session}
+    last = max(which)
+    subset = [j for j in range(last + 1) if j in which or blocks[j].session in sessions]
+    first, second = run_blocks([blocks[j] for j in subset]), run_blocks([blocks[j] for j in subset])
+    return [i for i in which if first[subset.index(i)] != second[subset.index(i)]]
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     blocks = fences.find_blocks(ROOT / page)
@@ -137,15 +149,25 @@ def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.M
     if not differ:
         return  # the shown code printed what the site shows
     # A block that prints a measurement (a time, a slope fitted to times) may print the same
-    # twice by chance: it varies if either version, run again, prints something else. (With the
-    # build's record, the page as written runs here once: the build's run was the first.)
-    # (Both runs stop after the last block that differs: what follows cannot change it.)
-    last = max(differ) + 1
-    again = run(False, seed=1, upto=last)
-    varying = [i for i in differ if again[i] != full[i]]
-    if any(i not in varying for i in differ):
-        shown_again = run(True, seed=2, upto=last)
-        varying = [i for i in differ if i in varying or shown_again[i] != shown[i]]
+    # twice by chance: it varies if either version, run again, prints something else. First the
+    # cheap test: the blocks of its own session only (other sessions have other namespaces), as
+    # written, twice with the same seed; a block that prints two things there varies. (A block
+    # whose output depends on the blocks of other sessions prints the same twice there, and goes on.)
+    def as_written(subset):
+        monkeypatch.chdir(ROOT)
+        return run_page(subset, shown=False, seed=1)
+
+    varying = varying_alone(blocks, differ, as_written)
+    rest = [i for i in differ if i not in varying]
+    if rest:
+        # Then the page as written up to the last block left (what follows cannot change it), once
+        # here (with the build's record, the build's run was the first), and the shown code again.
+        last = max(rest) + 1
+        again = run(False, seed=1, upto=last)
+        varying += [i for i in rest if again[i] != full[i]]
+        if any(i not in varying for i in rest):
+            shown_again = run(True, seed=2, upto=last)
+            varying += [i for i in rest if i not in varying and shown_again[i] != shown[i]]
     wrong = [i for i in differ if i not in varying]
     report = [f"{page}:{blocks[i].line}: printed\n{describe(full[i])}\n"
               f"but its shown code alone printed\n{describe(shown[i])}" for i in wrong]
@@ -169,3 +191,23 @@ def test_a_figure_may_lose_its_styling_but_not_change_its_words():
     assert not same_output("a " + styled, "a " + styled.replace("0.5", "0.6"))
     assert not same_output("a " + styled, "b " + styled)
     assert not same_output(styled + styled, styled)
+
+
+def test_only_a_block_that_prints_two_things_when_run_twice_counts_as_measured(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text('```python exec="on" session="a"\nimport time\nprint(time.perf_counter())\n```\n\n'
+                    '```python exec="on" session="b"\nx = 1\n```\n\n'
+                    '```python exec="on" session="b"\nprint(x)\n```\n\n'
+                    '```python exec="on"\nimport random\nprint(random.random())\n```\n')
+    blocks = fences.find_blocks(page)
+    ran = []
+
+    def run(subset):
+        ran.append([b.line for b in subset])
+        return run_page(subset, shown=False, seed=1)
+
+    # the time varies; the seeded draw and the block that reads its session's x do not
+    assert varying_alone(blocks, [0, 2, 3], run) == [0]
+    assert ran == [[b.line for b in blocks]] * 2
+    ran.clear()
+    assert varying_alone(blocks, [2], run) == [] and ran == [[blocks[1].line, blocks[2].line]] * 2
