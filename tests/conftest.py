@@ -98,7 +98,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers", f"{UPSTREAM}: the test runs another library's behaviour (every test outside "
-        "tests/conftest.py's OWN_TESTS); the newest tier runs these"
+        "tests/conftest.py's OWN_TESTS, or marked own); the newest tier runs these"
+    )
+    config.addinivalue_line(
+        "markers", f"{OWN}(why): a test in a file of upstream tests whose verdict is the package's own: "
+        "the newest tier leaves it out"
     )
     name = config.getoption("--device") or os.environ.get("ATTENTION_REF_TEST_DEVICE") or "cpu"
     if name not in DEVICES:
@@ -174,8 +178,12 @@ OWN_TESTS: dict[str, str] = {
     "tests/test_threads_bench.py": "the threads benchmark's arithmetic and records",
 }
 
-#: The marker of the tests that exercise another library's behaviour: every test outside `OWN_TESTS`.
+#: The marker of the tests that exercise another library's behaviour: every test outside `OWN_TESTS`,
+#: except those marked `OWN` one by one.
 UPSTREAM = "upstream"
+#: ``@pytest.mark.own("why")``: a test in a file of upstream tests whose verdict is the package's own
+#: (the newest tier leaves it out, as the files of `OWN_TESTS`).
+OWN = "own"
 
 
 def _mark_upstream(items: list[pytest.Item]) -> None:
@@ -185,7 +193,7 @@ def _mark_upstream(items: list[pytest.Item]) -> None:
             path = item.path.resolve().relative_to(root).as_posix()
         except ValueError:
             path = str(item.path)
-        if path not in OWN_TESTS:
+        if path not in OWN_TESTS and item.get_closest_marker(OWN) is None:
             item.add_marker(UPSTREAM)
 
 

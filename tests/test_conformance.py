@@ -602,6 +602,8 @@ def _conformance_full():
     return conformance_full
 
 
+@pytest.mark.own("the full-run script's shards and processes against its one-process record: the adapters' "
+                 "verdicts are judged by the tests above")
 def test_the_full_run_split_over_processes_gives_the_one_process_record(tmp_path):
     full = _conformance_full()
     one, split = tmp_path / "one.json", tmp_path / "split.json"

@@ -88,7 +88,8 @@ def test_layers(module, never):
 
 def test_the_newest_tier_marker_names_real_files_and_marks_the_rest(request):
     """tests/conftest.py's OWN_TESTS name files that exist; every collected test outside them carries the
-    ``upstream`` marker the newest tier selects (``dev.py check --newest``), and none inside them does."""
+    ``upstream`` marker the newest tier selects (``dev.py check --newest``), and none inside them does,
+    nor one marked ``own`` with its reason."""
     conftest = request.config.pluginmanager.get_plugin(str(Path(__file__).with_name("conftest.py")))
     root = PACKAGE.parent
     missing = [name for name in conftest.OWN_TESTS if not (root / name).is_file()]
@@ -96,6 +97,10 @@ def test_the_newest_tier_marker_names_real_files_and_marks_the_rest(request):
     wrong = []
     for item in request.session.items:
         own = item.path.resolve().relative_to(root).as_posix() in conftest.OWN_TESTS
+        marked = item.get_closest_marker(conftest.OWN)
+        if marked is not None and (own or not marked.args or not marked.args[0]):
+            wrong.append(f"{item.nodeid}: own() needs its reason, and a file of OWN_TESTS needs no marker")
+        own = own or marked is not None
         if own == (item.get_closest_marker(conftest.UPSTREAM) is not None):
             wrong.append(item.nodeid)
     assert not wrong, f"marked against OWN_TESTS: {wrong[:5]}"
