@@ -28,6 +28,7 @@ import importlib
 from typing import Any
 
 from attention_ref import (
+    block_mask,
     complexity,
     conventions,
     diagrams,
@@ -57,6 +58,7 @@ __all__ = [
     "MultiHeadAttention",
     "add_sinks",
     "attention_weights",
+    "block_mask",
     "causal_mask",
     "combine_masks",
     "complexity",

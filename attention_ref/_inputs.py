@@ -220,3 +220,11 @@ def check_scores_bounded(query: torch.Tensor, key: torch.Tensor, scale: float, d
             f"query, key: scores q . k * scale could overflow {dtype} (|scale| * E * max|q| * max|k| = "
             f"{bound:.3g} > {torch.finfo(dtype).max:.3g}); scale them down, or pass float64 inputs"
         )
+
+
+def batch_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> tuple[int, ...]:
+    """The broadcast leading dims ``(...)`` of the output, grouped key/value heads counted as ``H``."""
+    if enable_gqa:
+        H = query.shape[-3]
+        return tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-3] + (H,), value.shape[:-3] + (H,)))
+    return tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]))

@@ -16,8 +16,8 @@ All of them support ``is_causal`` (top-left aligned, combined with
 ``attn_mask``), ``scale``, grouped-query heads (``enable_gqa``) and autograd,
 and give output 0 for a query row that no key may attend to.
 
-A ``block_mask`` (`attention_ref.tiled.BlockMask`, made once by
-`attention_ref.tiled.create_block_mask`) stands for its ``mask_mod`` on every
+A ``block_mask`` (`attention_ref.block_mask.BlockMask`, made once by
+`attention_ref.block_mask.create_block_mask`) stands for its ``mask_mod`` on every
 backend; only ``"tiled"`` reads its blocks (and runs with its block sizes), the
 others materialise the mod on every pair as for ``mask_mod=``.
 
@@ -42,7 +42,7 @@ others materialise the mod on every pair as for ``mask_mod=``.
    on CPU without dropout, ``"tiled"`` for a ``score_mod`` at ``max(L, S) >=
    CPU_MODS_TILED_MIN_LENGTH``, and for a ``mask_mod`` alone when it empties at
    least ``CPU_MODS_TILED_MIN_SKIPPED`` of the tiled path's blocks there
-   (``"auto"`` builds the `attention_ref.tiled.BlockMask` to know, and the tiled
+   (``"auto"`` builds the `attention_ref.block_mask.BlockMask` to know, and the tiled
    path reuses it) or at ``max(L, S) >= CPU_TILED_MIN_LENGTH``, where a
    materialised mask grows too large (rule 5's reason). Otherwise ``"math"``
    with a ``score_mod``, ``"sdpa"`` (the mask materialised) with a ``mask_mod``
@@ -80,18 +80,18 @@ import torch
 import torch.nn.functional as F
 
 from attention_ref import _inputs, mods
+from attention_ref._inputs import batch_shape
 from attention_ref._validation import check_probability, fmt_shape
+from attention_ref.block_mask import (
+    BlockMask,
+    check_block_mask,
+    create_block_mask,
+    mod_sizes,
+    resolve_mask_mod,
+)
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.sinks import check_sinks, heads_of
-from attention_ref.tiled import (
-    BlockMask,
-    _batch_shape,
-    _block_mask_mod,
-    _check_block_mask,
-    _mod_sizes,
-    _tiled,
-    create_block_mask,
-)
+from attention_ref.tiled import _tiled
 
 __all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "TRITON_VERIFIED_ON_GPU", "auto_rule", "check_backend", "select_backend"]
 
@@ -198,11 +198,11 @@ def select_backend(
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
-    mask_mod = _block_mask_mod(mask_mod, block_mask)
+    mask_mod = resolve_mask_mod(mask_mod, block_mask)
     query, key, value, mask, _ = _inputs.prepare(query, key, value, attn_mask, is_causal, None, enable_gqa)
-    batch = _batch_shape(query, key, value, enable_gqa)
+    batch = batch_shape(query, key, value, enable_gqa)
     if block_mask is not None:
-        _check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
+        check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     if sinks is not None:
         sinks = check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))
     call = Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
@@ -268,8 +268,8 @@ def _auto(call: Call) -> str:
     elif (device == "cpu" and call.mask_mod is not None and call.score_mod is None and not call.return_weights
             and call.dropout_p == 0 and CPU_MODS_TILED_MIN_LENGTH <= length < CPU_TILED_MIN_LENGTH):
         # Only the block mask tells the sparsity; made once here, the tiled path reuses it.
-        batch = _batch_shape(query, key, call.value, call.enable_gqa)
-        call.block_mask = create_block_mask(call.mask_mod, *_mod_sizes(batch), query.shape[-2], key.shape[-2],
+        batch = batch_shape(query, key, call.value, call.enable_gqa)
+        call.block_mask = create_block_mask(call.mask_mod, *mod_sizes(batch), query.shape[-2], key.shape[-2],
                                             block_q=TILED_MODS_BLOCK_Q, block_k=TILED_MODS_BLOCK_K,
                                             device=query.device)
         skipped = call.block_mask.fraction_skipped
@@ -480,7 +480,7 @@ def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.T
                       return_lse=call.return_lse, sinks=call.sinks, **blocks)
     if backend == "sdpa":
         if call.mask_mod is not None:  # materialised: a boolean (..., L, S) mask, combined with attn_mask
-            batch = _batch_shape(query, key, value, call.enable_gqa)
+            batch = batch_shape(query, key, value, call.enable_gqa)
             # at least (L, S) bools, and torch's kernels may make an additive float copy of it
             _inputs.check_dense("backend='sdpa' with a mask_mod", (query.shape[-2], key.shape[-2]), torch.float32,
                                 query.device, copies=2, noun="the mask_mod's (L, S) mask",
@@ -547,7 +547,7 @@ def _sdpa(
     """
     L, E = query.shape[-2:]
     S, Ev = value.shape[-2:]
-    out_batch = _batch_shape(query, key, value, enable_gqa)  # the output's leading dims
+    out_batch = batch_shape(query, key, value, enable_gqa)  # the output's leading dims
     batch = out_batch or (1,)
     H = batch[-1]
     q4 = _as_4d(query, batch, H)  # (N, H, L, E)
@@ -613,7 +613,7 @@ def _triton(
         mask_batch = mask.shape[:-3] if mask is not None and mask.dim() > 3 else ()
         batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3], mask_batch))
     else:
-        batch = _batch_shape(query, key, value, False)
+        batch = batch_shape(query, key, value, False)
     N = math.prod(batch)
 
     def to_kernel(t: torch.Tensor) -> torch.Tensor:

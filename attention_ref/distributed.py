@@ -78,7 +78,8 @@ from attention_ref import mods as _mods
 from attention_ref._validation import check_cu_seqlens, fmt_shape
 from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
-from attention_ref.tiled import BlockMask, _band_of, _batch_shape, _check_block_mask, _mod_sizes
+from attention_ref._inputs import batch_shape
+from attention_ref.block_mask import BlockMask, band_of, check_block_mask, mod_sizes
 
 __all__ = [
     "CommStats",
@@ -476,7 +477,7 @@ def _bounded_kind(mask: _Mask, q: _Piece, kv: _Piece) -> str | None:
     """
     if q.length == 0 or kv.length == 0:
         return "skipped"
-    band = None if mask.mask_mod is None else _band_of(mask.mask_mod)
+    band = None if mask.mask_mod is None else band_of(mask.mask_mod)
     decided = mask.mask_mod is None or band is not None
     lows = [band[0]] if band is not None and band[0] is not None else []
     highs = [0] if mask.is_causal else []
@@ -846,7 +847,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             if receive:
                 k_cur, v_cur = received
-        batch = _batch_shape(query, key, value, enable_gqa)  # (..., H) of the output
+        batch = batch_shape(query, key, value, enable_gqa)  # (..., H) of the output
         for i, p in enumerate(mine):  # a chunk whose queries see no key at all: output 0, lse -inf
             if out[i] is None:
                 out[i] = q.new_zeros((*batch, p.length, value.shape[-1]))
@@ -1048,7 +1049,7 @@ def ring_attention(
             plans the whole ring (how far each slice travels): ``causal`` and
             ``sliding_window`` mods are read as bands, at no cost; any other mod is evaluated
             on every chunk pair of every rank, one pair at a time (``N^2`` booleans per call).
-        block_mask: a `attention_ref.tiled.BlockMask` made for the *full* length (``L = S =
+        block_mask: a `attention_ref.block_mask.BlockMask` made for the *full* length (``L = S =
             n * world``, as FlexAttention users make one per batch): its ``mask_mod`` masks, as
             ``mask_mod=`` would (pass both only when ``mask_mod`` is ``block_mask.mask_mod``).
             The ring plans its own chunk pairs; the mask's blocks are not used.
@@ -1066,7 +1067,7 @@ def ring_attention(
             ``"zigzag-per-sequence"``; a ``mask_mod`` result that does not fit the scores, a
             ``block_mask`` made for another length or batch, or with another ``mask_mod``.
         TypeError: non-float inputs or inputs of different dtypes, ``sinks`` not a float tensor,
-            ``mask_mod`` not a mask mod or not returning bool, ``block_mask`` not a `BlockMask`.
+            ``mask_mod`` not a mask mod or not returning bool, ``block_mask`` not a `attention_ref.block_mask.BlockMask`.
 
     Examples:
         >>> import os, tempfile, torch, torch.distributed as dist
@@ -1095,15 +1096,15 @@ def ring_attention(
             f"(full length {n * world})"
         )
     if sinks is not None:
-        batch = _batch_shape(query, key, value, enable_gqa)
+        batch = batch_shape(query, key, value, enable_gqa)
         check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))  # this rank's queries
     _inputs.check_mods(None, mask_mod)
     if block_mask is not None:  # made for the whole sequence: its mod masks the global positions
-        _check_block_mask(block_mask, mask_mod, _batch_shape(query, key, value, enable_gqa), n * world, n * world)
+        check_block_mask(block_mask, mask_mod, batch_shape(query, key, value, enable_gqa), n * world, n * world)
         mask_mod = block_mask.mask_mod
     cu = _layout_offsets("ring_attention", layout, cu_seqlens, n * world, world, query.device)
     documents = None if cu_seqlens is None else _documents(cu_seqlens, n * world, query.device)  # (n * world,)
-    mask = _Mask(is_causal, documents, mask_mod, _batch_shape(query, key, value, enable_gqa), n * world)
+    mask = _Mask(is_causal, documents, mask_mod, batch_shape(query, key, value, enable_gqa), n * world)
     plan = _Plan.make(rank, world, n, layout, mask, cu, query.device)
     # (..., H, n, Ev) and (..., H, n): the sink-free result over every key of the ring, compute dtype
     output, lse = _RingAttention.apply(query, key, value, is_causal, resolved, enable_gqa, group, layout, rank, world,
@@ -1164,7 +1165,7 @@ def _head_slices(caller: str, query: torch.Tensor, key: torch.Tensor, value: tor
     if Hkv % world:  # fewer key/value heads than ranks: one copy per rank, (..., Hkv, n, E) -> (..., W, n, E)
         key, value = (t.repeat_interleave(world // Hkv, dim=-3) for t in (key, value))
     if sinks is not None:
-        batch = _batch_shape(query, key, value, enable_gqa)
+        batch = batch_shape(query, key, value, enable_gqa)
         check_sinks(sinks, heads_of(batch), query, rows=(*batch, n))
         if sinks.dim() != 1:
             raise NotImplementedError(
@@ -1185,7 +1186,7 @@ def _own_heads(keep: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def _shifted_heads(mask_mod: _mods.MaskMod, first: int) -> _mods.MaskMod:
     """``mask_mod`` as seen by a rank holding the query heads ``first, first + 1, ...``: its ``h`` is
     the global head. A band (`attention_ref.mods.causal`, ``sliding_window``) reads no head: as it is."""
-    if first == 0 or _band_of(mask_mod) is not None:
+    if first == 0 or band_of(mask_mod) is not None:
         return mask_mod
 
     def global_heads_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -1277,7 +1278,7 @@ def ulysses_attention(
     query, key, value, _, resolved = _inputs.prepare(query, key, value, None, is_causal, scale, enable_gqa)
     _inputs.check_mods(None, mask_mod)
     n = query.shape[-2]
-    batch = _batch_shape(query, key, value, enable_gqa)  # (..., H): the scores' leading dims, all heads
+    batch = batch_shape(query, key, value, enable_gqa)  # (..., H): the scores' leading dims, all heads
     key, value, sinks = _head_slices("ulysses_attention", query, key, value, sinks, enable_gqa, rank, world,
                                      "the world size")
     # (..., H, n, E) -> (..., H / W, L, E): head slices over the whole sequence, in rank (= position) order
@@ -1356,7 +1357,7 @@ def usp_attention(
     _inputs.check_mods(None, mask_mod)
     if mask_mod is not None:  # the sizes a mod was built for are the whole call's: checked here, once
         total = query.shape[-2] * u_world * r_world  # the full length
-        _mods.validate_sizes(mask_mod, *_mod_sizes(_batch_shape(query, key, value, enable_gqa)), total, total)
+        _mods.validate_sizes(mask_mod, *mod_sizes(batch_shape(query, key, value, enable_gqa)), total, total)
         mask_mod = _shifted_heads(mask_mod, u_rank * query.shape[-3] // u_world)
     key, value, sinks = _head_slices("usp_attention", query, key, value, sinks, enable_gqa, u_rank, u_world,
                                      "the Ulysses group's size")

@@ -41,9 +41,9 @@ from attention_ref import _inputs
 from attention_ref import backends as _backends
 from attention_ref import mods as _mods
 from attention_ref._validation import check_probability
+from attention_ref.block_mask import BlockMask, check_block_mask, resolve_mask_mod
 from attention_ref.masks import causal_mask
 from attention_ref.sinks import check_sinks, heads_of, sink_column
-from attention_ref.tiled import BlockMask, _block_mask_mod, _check_block_mask
 
 __all__ = ["attention_weights", "merge_attention", "scaled_dot_product_attention"]
 
@@ -198,8 +198,8 @@ def attention_weights(
             dim -3), added as ``exp(sinks[h])`` to each row's denominator, never
             scaled (`attention_ref.sinks`); or one per query, any tensor of two
             or more dims broadcastable to ``(..., H, L)``.
-        block_mask: a `attention_ref.tiled.BlockMask` made once by
-            `attention_ref.tiled.create_block_mask`; its ``mask_mod`` masks, as
+        block_mask: a `attention_ref.block_mask.BlockMask` made once by
+            `attention_ref.block_mask.create_block_mask`; its ``mask_mod`` masks, as
             if passed as ``mask_mod=`` (which may then be left out, or must be
             that same function). It is checked against the call: ``L``, ``S``,
             and ``B``, ``H`` (1 broadcasts). The weights are the whole ``(L, S)``
@@ -217,7 +217,7 @@ def attention_weights(
             a mod of the wrong number of arguments, a ``mask_mod`` returning a
             non-bool tensor or a ``score_mod`` returning a bool one (a mod
             returning a wrongly shaped tensor is a ``ValueError``); a
-            ``block_mask`` that is not a `attention_ref.tiled.BlockMask` (its
+            ``block_mask`` that is not a `attention_ref.block_mask.BlockMask` (its
             sizes not those of the call, or another ``mask_mod``, are a
             ``ValueError``).
 
@@ -230,13 +230,13 @@ def attention_weights(
         True
     """
     _inputs.check_mods(score_mod, mask_mod)
-    mask_mod = _block_mask_mod(mask_mod, block_mask)  # a block mask brings its own mod
+    mask_mod = resolve_mask_mod(mask_mod, block_mask)  # a block mask brings its own mod
     query, key, _, mask, resolved = _inputs.prepare(query, key, None, attn_mask, is_causal, scale, enable_gqa)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key = _inputs.expand_kv_heads(query, key, "key")
     if block_mask is not None:  # made for these sizes; materialised below like a mask_mod
         batch = tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]))
-        _check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
+        check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     scores = _masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
     sinks = _checked_sinks(sinks, scores.shape[:-2], query)
     return _safe_softmax(scores, sinks).to(query.dtype)
@@ -318,8 +318,8 @@ def scaled_dot_product_attention(
             rows ``(..., H, L)``, e.g. ``(B, H, L)``; its gradient keeps its
             shape. The ``"math"`` and ``"tiled"`` backends take it (``"auto"``
             picks one of them), with gradients to ``sinks``; the others raise.
-        block_mask: a `attention_ref.tiled.BlockMask` made once by
-            `attention_ref.tiled.create_block_mask` and reused across calls
+        block_mask: a `attention_ref.block_mask.BlockMask` made once by
+            `attention_ref.block_mask.create_block_mask` and reused across calls
             (every layer of a forward pass, as with FlexAttention): its
             ``mask_mod`` masks, as if passed as ``mask_mod=`` (which may then be
             left out, or must be that same function: two different mods raise).
@@ -348,7 +348,7 @@ def scaled_dot_product_attention(
             a mod of the wrong number of arguments, a ``mask_mod`` returning a
             non-bool tensor or a ``score_mod`` returning a bool one (a mod
             returning a wrongly shaped tensor is a ``ValueError``); a
-            ``block_mask`` that is not a `attention_ref.tiled.BlockMask` (one
+            ``block_mask`` that is not a `attention_ref.block_mask.BlockMask` (one
             made for other sizes, or with another ``mask_mod`` than the one
             passed, is a ``ValueError`` naming both values).
 
@@ -374,12 +374,12 @@ def scaled_dot_product_attention(
     if value is None:
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
-    mask_mod = _block_mask_mod(mask_mod, block_mask)  # a block mask brings its own mod
+    mask_mod = resolve_mask_mod(mask_mod, block_mask)  # a block mask brings its own mod
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     # Validated once above; from here on each backend gets clean tensors.
-    batch = _backends._batch_shape(query, key, value, enable_gqa)
+    batch = _inputs.batch_shape(query, key, value, enable_gqa)
     if block_mask is not None:  # made for these sizes (its blocks are the tiled backend's)
-        _check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
+        check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     sinks = _checked_sinks(sinks, batch, query)
     call = _backends.Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
                           return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,

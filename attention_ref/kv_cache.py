@@ -50,7 +50,7 @@ from attention_ref import mods
 from attention_ref._validation import check_dense, check_positive_int, fmt_shape, require_int_tensor, require_tensor
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
-from attention_ref.tiled import BlockMask, _made_by
+from attention_ref.block_mask import BlockMask, made_by
 
 __all__ = ["KVCache", "PagedKVCache", "attention_with_kv_cache", "kv_cache_mask_mod"]
 
@@ -146,7 +146,7 @@ def _block_mask_for(
     block_mask: object, cache_seqlens: torch.Tensor, num_queries: int, is_causal: bool, B: int
 ) -> mods.MaskMod:
     """The mod of a ``block_mask`` made from `kv_cache_mask_mod` with this call's arguments."""
-    mask_mod, (seqlens, lq, causal) = _made_by(block_mask, "_attention_ref_kv_cache",
+    mask_mod, (seqlens, lq, causal) = made_by(block_mask, "_attention_ref_kv_cache",
                                                "kv_cache_mask_mod(cache_seqlens, Lq, is_causal=...)")
     if not torch.equal(seqlens.to(device=cache_seqlens.device, dtype=cache_seqlens.dtype), cache_seqlens):
         raise ValueError(
@@ -253,7 +253,7 @@ def attention_with_kv_cache(
             whatever the cache's length or layout. ``"math"``, ``"tiled"``
             and ``"auto"`` take it; ``"sdpa"`` and ``"triton"`` raise.
 
-        block_mask: the cache mask's `attention_ref.tiled.BlockMask`, made once
+        block_mask: the cache mask's `attention_ref.block_mask.BlockMask`, made once
             with ``create_block_mask(kv_cache_mask_mod(cache_seqlens, Lq,
             is_causal=is_causal), B, None, Lq, max(cache_seqlens))`` and reused
             by every layer of the step: ``"tiled"`` uses its blocks as they are;
@@ -278,7 +278,7 @@ def attention_with_kv_cache(
             device, NaN or ``+inf``; an unknown ``backend``, or one that cannot
             run the call (the message names it); a ``block_mask`` made from
             another mod or for other lengths (``TypeError`` if it is not a
-            `attention_ref.tiled.BlockMask`).
+            `attention_ref.block_mask.BlockMask`).
 
     Examples:
         >>> import torch

@@ -1004,6 +1004,6 @@ def create_mask(
     check_positive_int("S", S, allow_zero=True)
     device = check_device("device", device)
     check_dense("create_mask", (B, H, L, S), torch.bool, device, copies=1,
-                        noun="the (B, H, L, S) mask", instead="tiled.create_block_mask keeps one kind per block instead")
+                        noun="the (B, H, L, S) mask", instead="block_mask.create_block_mask keeps one kind per block instead")
     keep = apply_mask_mod(mask_mod, (B, H), L, S, device)
     return keep.expand(B, H, L, S).clone()

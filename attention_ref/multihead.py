@@ -19,8 +19,8 @@ from torch import nn
 from attention_ref._inputs import check_bool
 from attention_ref._validation import check_positive_int, check_probability, fmt_shape
 from attention_ref.backends import check_backend
+from attention_ref.block_mask import BlockMask
 from attention_ref.functional import scaled_dot_product_attention
-from attention_ref.tiled import BlockMask
 
 __all__ = ["MultiHeadAttention"]
 
@@ -189,9 +189,9 @@ class MultiHeadAttention(nn.Module):
                 part, combined with ``attn_mask`` and ``is_causal``; the module's
                 backend must take it (``"sdpa"`` takes no ``score_mod``, see
                 `attention_ref.backends`).
-            block_mask: a `attention_ref.tiled.BlockMask` made once for
+            block_mask: a `attention_ref.block_mask.BlockMask` made once for
                 ``(B, H, L, S)`` (or ``None`` for ``B``/``H`` it does not depend
-                on) by `attention_ref.tiled.create_block_mask` and shared by
+                on) by `attention_ref.block_mask.create_block_mask` and shared by
                 every layer: its mod masks (``mask_mod`` may be left out, or must
                 be that function); the tiled backend skips its empty blocks,
                 the others materialise it (see

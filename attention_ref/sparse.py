@@ -242,7 +242,7 @@ def topk_attention(
     with ``topk_mask(indices, S)`` combined (AND) with every other mask: that is
     how it is computed. The selection enters the core as a ``mask_mod`` reading
     that boolean mask, so ``backend="tiled"`` skips every key block that no
-    query of a query block selects (`attention_ref.tiled.BlockMask`).
+    query of a query block selects (`attention_ref.block_mask.BlockMask`).
     The semantics of ``indices`` (a set, ``-1`` = no key, out of range and
     duplicates raise, causality only when asked) and how other implementations
     differ: `attention_ref.sparse`.

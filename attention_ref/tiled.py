@@ -62,24 +62,33 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from attention_ref import _inputs, mods
-from attention_ref._validation import check_positive_int, fmt_shape
+from attention_ref._validation import check_positive_int
+from attention_ref.block_mask import (  # the block mask, which this path reads and skips by
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    EMPTY,
+    PARTIAL,
+    BlockMask,
+    block_spans,
+    bool_to_bias,
+    call_grids,
+    check_block_mask,
+    create_block_mask,
+    mod_sizes,
+    resolve_mask_mod,
+)
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
 
-__all__ = ["ADAPT_THREADS", "DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "BlockMask", "create_block_mask", "fitting_threads",
-           "tiled_attention"]
+# BlockMask, create_block_mask and the default block sizes live in attention_ref.block_mask; the names
+# stay importable from here, as the same objects
+__all__ = ["ADAPT_THREADS", "fitting_threads", "tiled_attention"]
 
-#: Queries per block. Tuned for CPU throughput (``benchmarks/attention_bench.py --tune``).
-DEFAULT_BLOCK_Q = 256
-#: Keys per block. Tuned for CPU throughput (``benchmarks/attention_bench.py --tune``).
-DEFAULT_BLOCK_K = 512
 
 _NEG_INF = float("-inf")
 _LOG2E = math.log2(math.e)  # scores * log2(e) turn exp(.) into exp2(.)
@@ -87,12 +96,8 @@ _LN2 = math.log(2.0)
 #: The lazy step keeps the old running max while a block's weights against it sum to at most
 #: 2**_LAZY_GROWTH (a score at most 32 powers of 2 above it); a larger sum redoes the block exactly.
 _LAZY_GROWTH = 32
-#: The kinds of a (query block, key block) pair in a `BlockMask`.
-_EMPTY, _PARTIAL, _FULL = 0, 1, 2
 #: With a block mask, neighbouring non-empty key blocks are computed together, up to this many keys.
 _SPAN_KEYS = 512
-#: How many bytes of partial-block masks (as additive biases) a `BlockMask` keeps for later calls.
-_PIECE_CACHE_BYTES = 64 * 2**20
 #: Whether a tiled call on CPU runs on fewer intra-op threads while other processes keep cores
 #: busy (read from Linux's /proc; elsewhere the threads stay as they are). The path issues many
 #: small parallel operations per block, and each waits for its slowest thread: a thread that
@@ -187,367 +192,9 @@ def _pairs(q: torch.Tensor, k: torch.Tensor) -> int:
     return NK * G * L * k.shape[-2]
 
 
-class _PieceCache:
-    """A block mask's ``mask_mod`` on its partial blocks, as additive biases (0 / -inf), kept after first use.
-
-    Keyed by the rows and columns of the piece, the dtype, the device and the shapes of
-    the index grids (the call's batch and heads); at most `_PIECE_CACHE_BYTES` bytes:
-    past that, the pieces not kept are evaluated on every use.
-    """
-
-    def __init__(self) -> None:
-        self.pieces: dict[tuple, torch.Tensor] = {}
-        self.nbytes = 0
-
-    def get(self, mask_mod: mods.MaskMod, grids: tuple[torch.Tensor, ...], i0: int, i1: int, j0: int, j1: int,
-            dtype: torch.dtype) -> torch.Tensor:
-        key = (i0, i1, j0, j1, dtype, grids[0].device, tuple(tuple(g.shape) for g in grids))
-        bias = self.pieces.get(key)
-        if bias is None:
-            bias = _bool_to_bias(_mod_block(mask_mod, grids, i0, i1, j0, j1), dtype)
-            if self.nbytes + bias.nbytes <= _PIECE_CACHE_BYTES:
-                self.pieces[key] = bias
-                self.nbytes += bias.nbytes
-        return bias
-
-
-_creating = threading.local()  # set while create_block_mask builds a BlockMask: its kinds need no check
-
-
-@dataclass(frozen=True, eq=False)
-class BlockMask:
-    """Which blocks of the ``(L, S)`` scores a ``mask_mod`` empties, cuts or keeps whole.
-
-    Made by `create_block_mask`; the tiled path skips the empty pairs of
-    (query block, key block) in the forward and the backward pass, computes the
-    full ones without evaluating the mod, and evaluates it only on the partial
-    ones. The same idea as FlexAttention's ``BlockMask``, for this path's blocks.
-
-    Attributes:
-        mask_mod: the mod it was made from.
-        B, H: the batch and heads it was evaluated for (1 = the mod does not
-            depend on ``b`` / ``h``).
-        L, S: query and key length.
-        block_q, block_k: the block sizes; the attention call must use the same.
-        kinds: ``(ceil(L / block_q), ceil(S / block_k))`` int8: 0 empty (no
-            pair of the block takes part, for any ``b`` and ``h``), 1 partial,
-            2 full (every pair takes part).
-
-    A block mask is a snapshot of its mod, as FlexAttention's is: besides the
-    kinds, it keeps the mod's values on the partial blocks the first call
-    evaluates (as additive biases, up to 64 MiB), so later calls that reuse it
-    (every layer of a forward pass) evaluate the mod on no block at all. Make a
-    new block mask when the data a mod reads (document ids, lengths) changes.
-    """
-
-    mask_mod: mods.MaskMod
-    B: int
-    H: int
-    L: int
-    S: int
-    block_q: int
-    block_k: int
-    kinds: torch.Tensor
-    _pieces: _PieceCache = field(default_factory=_PieceCache, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Built by hand (or by dataclasses.replace): the kinds decide which blocks are skipped or
-        # computed without the mod, so kinds that disagree with the mod would silently give another
-        # mask. Check them (issue 39, S3); create_block_mask's own are right by construction.
-        if getattr(_creating, "active", False):
-            return
-        for name in ("B", "H", "L", "S"):
-            check_positive_int(name, getattr(self, name), allow_zero=True)
-        check_positive_int("block_q", self.block_q)
-        check_positive_int("block_k", self.block_k)
-        mods.check_mod("mask_mod", self.mask_mod, "mask")
-        made = create_block_mask(self.mask_mod, self.B, self.H, self.L, self.S, block_q=self.block_q,
-                                 block_k=self.block_k, device=getattr(self.kinds, "device", None))
-        if not isinstance(self.kinds, torch.Tensor) or tuple(self.kinds.shape) != tuple(made.kinds.shape):
-            got = tuple(self.kinds.shape) if isinstance(self.kinds, torch.Tensor) else type(self.kinds).__name__
-            raise ValueError(f"kinds must have shape (ceil(L / block_q), ceil(S / block_k)) = "
-                             f"{tuple(made.kinds.shape)}, got {got}")
-        wrong = (self.kinds.to(made.kinds.dtype) != made.kinds).nonzero()
-        if len(wrong):
-            i, j = wrong[0].tolist()
-            names = {_EMPTY: "empty", _PARTIAL: "partial", _FULL: "full"}
-            raise ValueError(
-                f"kinds do not match mask_mod: block ({i}, {j}) is given as {names.get(int(self.kinds[i, j]), int(self.kinds[i, j]))!r} "
-                f"but the mod makes it {names[int(made.kinds[i, j])]!r} ({len(wrong)} blocks differ); make "
-                f"block masks with create_block_mask"
-            )
-
-    @property
-    def fraction_skipped(self) -> float:
-        """The fraction of blocks never computed (0.0 for an empty grid)."""
-        total = self.kinds.numel()
-        return float((self.kinds == _EMPTY).sum()) / total if total else 0.0
-
-    def counts(self) -> dict[str, int]:
-        """How many blocks are empty, partial and full."""
-        return {name: int((self.kinds == kind).sum())
-                for name, kind in (("empty", _EMPTY), ("partial", _PARTIAL), ("full", _FULL))}
-
-    def __repr__(self) -> str:
-        c = self.counts()
-        return (f"BlockMask(B={self.B}, H={self.H}, L={self.L}, S={self.S}, block_q={self.block_q}, "
-                f"block_k={self.block_k}, empty={c['empty']}, partial={c['partial']}, full={c['full']})")
-
-
-def create_block_mask(
-    mask_mod: mods.MaskMod,
-    B: int | None,
-    H: int | None,
-    L: int,
-    S: int,
-    *,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    device: torch.device | str | None = None,
-) -> BlockMask:
-    """Classify every (query block, key block) pair of ``mask_mod`` as empty, partial or full.
-
-    The mod is evaluated one strip of ``block_q`` query rows at a time (a
-    ``(B, H, block_q, S)`` boolean at most), so this never forms the whole
-    ``(L, S)`` mask. A block is empty when no ``(b, h, i, j)`` in it takes
-    part and full when every one does.
-
-    Two mods are not evaluated at all: `mods.causal` and `mods.sliding_window`
-    without sink tokens, recognised by `mods.describe`, keep the band
-    ``i + low <= j <= i + high`` whose ends grow by one key per query, so each
-    block's kind follows exactly from its corners (``O(blocks)`` work instead
-    of ``O(L * S)``; at ``L = S = 8192`` a fraction of a millisecond instead of
-    tenths of a second, ``benchmarks/block_mask_bench.py``). Every other mod,
-    hand-written or combined with `mods.and_masks`, is evaluated.
-
-    Build it once and pass it as ``block_mask=`` to every call with the same
-    mask and sizes (`attention_ref.scaled_dot_product_attention` and the
-    functions built on it take it too); a call given only a ``mask_mod`` builds
-    one each time.
-
-    Args:
-        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, ``True`` = takes part.
-        B: batch size; ``None`` = 1, for a mod that does not depend on ``b``
-            (as FlexAttention's ``create_block_mask``).
-        H: heads; ``None`` = 1, for a mod that does not depend on ``h``.
-        L: query length.
-        S: key length.
-        block_q: queries per block, as the attention call will use.
-        block_k: keys per block, as the attention call will use.
-        device: where to evaluate the mod.
-
-    Returns:
-        A `BlockMask`.
-
-    Raises:
-        TypeError: ``mask_mod`` not a mask mod, or returning a non-bool tensor.
-        ValueError: negative sizes, non-positive block sizes, a mod built from
-            tensors that do not fit ``(B, H, L, S)``.
-
-    Examples:
-        >>> from attention_ref import mods
-        >>> bm = create_block_mask(mods.sliding_window(3), None, None, 8, 8, block_q=2, block_k=2)
-        >>> bm.kinds.tolist()  # 0 empty, 1 partial, 2 full
-        [[1, 0, 0, 0], [2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1]]
-        >>> bm.counts(), bm.fraction_skipped
-        ({'empty': 7, 'partial': 6, 'full': 3}, 0.4375)
-    """
-    mods.check_mod("mask_mod", mask_mod, "mask")
-    B = 1 if B is None else check_positive_int("B", B, allow_zero=True)
-    H = 1 if H is None else check_positive_int("H", H, allow_zero=True)
-    check_positive_int("L", L, allow_zero=True)
-    check_positive_int("S", S, allow_zero=True)
-    check_positive_int("block_q", block_q)
-    check_positive_int("block_k", block_k)
-    mods.validate_sizes(mask_mod, B, H, L, S)
-    band = _band_of(mask_mod)
-    if band is not None:  # a described band: from its block corners, exactly, without evaluating the mod
-        kinds = _band_kinds(*band, L, S, block_q, block_k)
-    else:
-        kinds = _evaluated_kinds(mask_mod, B, H, L, S, block_q, block_k, device)
-    _creating.active = True
-    try:
-        return BlockMask(mask_mod, B, H, L, S, block_q, block_k, kinds)
-    finally:
-        _creating.active = False
-
-
-def _band_of(mask_mod: mods.MaskMod) -> tuple[int | None, int | None] | None:
-    """``(low, high)`` when ``mask_mod`` keeps key ``j`` for query ``i`` exactly when
-    ``i + low <= j <= i + high`` (``None`` = no bound), read from `mods.describe`; else ``None``.
-
-    `mods.causal` and `mods.sliding_window` (without sink tokens, whose rows are two
-    intervals) are such bands; every other mod, hand-written or combined, is evaluated.
-    """
-    made = mods.describe(mask_mod)
-    if made is None:
-        return None
-    name, args = made
-    if name == "causal":
-        return None, int(args["offset"])
-    if name == "sliding_window" and (args["sink_tokens"] == 0 or args["left"] is None):
-        left, right, offset = args["left"], args["right"], int(args["offset"])
-        return (None if left is None else offset - left), (None if right is None else offset + right)
-    return None
-
-
-def _band_kinds(low: int | None, high: int | None, L: int, S: int, block_q: int, block_k: int) -> torch.Tensor:
-    """The kinds of the band ``i + low <= j <= i + high``, from each block's corners.
-
-    Both ends grow with ``i`` (slope 1), so for the block of rows ``i0..i1`` and
-    keys ``j0..j1`` (inclusive):
-
-    - full  iff its bottom-left and top-right corners are kept:
-      ``j0 >= i1 + low`` and ``j1 <= i0 + high``;
-    - empty iff no row meets it: the rows whose window reaches ``j0`` (``i >= j0 - high``)
-      and those whose window starts by ``j1`` (``i <= j1 - low``) share none in ``i0..i1``.
-
-    Exact for every block (tested against the evaluated mask); ``O(blocks)`` work.
-    """
-    nq, nk = -(-L // block_q), -(-S // block_k)
-    i0 = torch.arange(nq, dtype=torch.long).mul_(block_q)[:, None]  # (nq, 1): first row of each query block
-    i1 = (i0 + block_q).clamp_(max=L) - 1  # its last row
-    j0 = torch.arange(nk, dtype=torch.long).mul_(block_k)[None, :]  # (1, nk): first key of each key block
-    j1 = (j0 + block_k).clamp_(max=S) - 1  # its last key
-    full = torch.ones(nq, nk, dtype=torch.bool)
-    first, last = i0.expand(nq, nk), i1.expand(nq, nk)  # the rows of a block that may meet the band
-    if low is not None:
-        full &= j0 >= i1 + low
-        last = torch.minimum(last, j1 - low)
-    if high is not None:
-        full &= j1 <= i0 + high
-        first = torch.maximum(first, j0 - high)
-    any_ = first <= last
-    return torch.where(full, _FULL, torch.where(any_, _PARTIAL, _EMPTY)).to(torch.int8)
-
-
-def _evaluated_kinds(
-    mask_mod: mods.MaskMod, B: int, H: int, L: int, S: int, block_q: int, block_k: int,
-    device: torch.device | str | None,
-) -> torch.Tensor:
-    """The kinds of any mod, evaluated one strip of ``block_q`` query rows (``(B, H, bq, S)`` at most) at a time.
-
-    Each strip is reduced in place, read as bytes: its max over a block says whether any pair takes
-    part, its min whether every one does (over the dims the mod broadcasts too, which costs nothing);
-    a short last key block is reduced on its own instead of padding the strip.
-    """
-    nq, nk = -(-L // block_q), -(-S // block_k)
-    whole = S // block_k  # key blocks of full width
-    kinds = torch.empty(nq, nk, dtype=torch.int8)
-    if nk == 0:
-        return kinds
-    grids = _grids((B, H), L, S, device)
-    for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
-        keep = _checked_strip(mask_mod, (B, H), grids, i0, i1, S)  # broadcastable to (B, H, bq, S)
-        keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))  # 4 dims, for the views below
-        u = keep.view(torch.uint8).expand(*keep.shape[:-1], S)  # (..., bq', S): 0/1 bytes, a view
-        lead = tuple(range(u.dim() - 1))  # every dim but the keys'
-        parts = []
-        if whole:
-            blocks = u[..., : whole * block_k].unflatten(-1, (whole, block_k))  # (..., bq', nk, bk), a view
-            dims = (*lead, u.dim())
-            parts.append((blocks.amax(dim=dims), blocks.amin(dim=dims)))  # (whole,) each
-        if whole < nk:
-            tail = u[..., whole * block_k:]  # the short last key block
-            parts.append((tail.amax().reshape(1), tail.amin().reshape(1)))
-        any_ = torch.cat([a for a, _ in parts]).bool()
-        all_ = torch.cat([b for _, b in parts]).bool()
-        kinds[qi] = torch.where(all_, _FULL, torch.where(any_, _PARTIAL, _EMPTY)).to(torch.int8).cpu()
-    return kinds
-
-
-def _checked_strip(
-    mask_mod: mods.MaskMod, batch: tuple[int, ...], grids: tuple[torch.Tensor, ...], i0: int, i1: int, S: int
-) -> torch.Tensor:
-    """``mask_mod`` on query rows i0:i1 and every key, checked: bool, broadcastable to ``(*batch, bq, S)``."""
-    keep = _mod_block(mask_mod, grids, i0, i1, 0, S)
-    target = (*batch, i1 - i0, S)
-    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
-        got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
-        raise TypeError(f"mask_mod must return a bool tensor (True = takes part), got {got}")
-    try:
-        fits = tuple(torch.broadcast_shapes(keep.shape, target)) == target
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"mask_mod must return a tensor broadcastable to the scores (B, H, L, S), here to its "
-            f"query rows {i0}..{i1 - 1}: {fmt_shape(target)}, got shape {fmt_shape(keep.shape)}"
-        )
-    return keep
-
-
-def _mod_sizes(batch: tuple[int, ...]) -> tuple[int, int]:
-    """``(B, H)`` of a call whose scores have leading dims ``batch``, as the mods index them."""
-    return math.prod(batch[:-1]), (batch[-1] if batch else 1)
-
-
-def _block_mask_mod(mask_mod: mods.MaskMod | None, block_mask: object) -> mods.MaskMod | None:
-    """The mask mod of a call given ``mask_mod`` and/or ``block_mask``: the block mask's own mod.
-
-    Passing both is allowed only when ``mask_mod`` *is* ``block_mask.mask_mod`` (the
-    same function object): two different mods would leave it unclear which one masks.
-
-    Raises:
-        TypeError: ``block_mask`` is not a `BlockMask`.
-        ValueError: ``mask_mod`` is another function than ``block_mask.mask_mod``.
-    """
-    if block_mask is None:
-        return mask_mod
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"block_mask must be an attention_ref.tiled.BlockMask, got {type(block_mask).__name__}")
-    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
-        raise ValueError("mask_mod and block_mask.mask_mod must be the same function (or pass only block_mask)")
-    return block_mask.mask_mod
-
-
-def _made_by(block_mask: object, attribute: str, maker: str) -> tuple[mods.MaskMod, tuple]:
-    """The mod of ``block_mask`` and the arguments ``maker`` recorded on it as ``attribute``.
-
-    Raises:
-        TypeError: ``block_mask`` is not a `BlockMask`.
-        ValueError: its mod was not made by ``maker``.
-    """
-    mask_mod = _block_mask_mod(None, block_mask)  # TypeError unless a BlockMask
-    made = getattr(mask_mod, attribute, None)
-    if made is None:
-        raise ValueError(f"block_mask must be made from {maker}, got a block mask of another mask_mod")
-    return mask_mod, made
-
-
-def _check_block_mask(
-    block_mask: BlockMask,
-    mask_mod: mods.MaskMod | None,
-    batch: tuple[int, ...],
-    L: int,
-    S: int,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> None:
-    """A ``block_mask`` must have been made for this call's mod, sizes and blocks (``None``: any blocks)."""
-    _block_mask_mod(mask_mod, block_mask)
-    B, H = _mod_sizes(batch)
-    expected = {"L": L, "S": S, "block_q": block_q, "block_k": block_k}
-    for name, want in expected.items():
-        got = getattr(block_mask, name)
-        if want is not None and got != want:
-            raise ValueError(f"block_mask was made for {name}={got}, this call has {name}={want}")
-    for name, want in (("B", B), ("H", H)):
-        got = getattr(block_mask, name)
-        if got not in (1, want):
-            raise ValueError(f"block_mask was made for {name}={got}, this call has {name}={want} (1 broadcasts)")
-    grid = (-(-block_mask.L // block_mask.block_q), -(-block_mask.S // block_mask.block_k))
-    kinds = block_mask.kinds
-    if not isinstance(kinds, torch.Tensor) or tuple(kinds.shape) != grid:
-        got = fmt_shape(kinds.shape) if isinstance(kinds, torch.Tensor) else type(kinds).__name__
-        raise ValueError(
-            f"block_mask.kinds must have shape (ceil(L / block_q), ceil(S / block_k)) = {fmt_shape(grid)}, got {got}"
-        )
-
-
 def _check_score_mod(score_mod: mods.ScoreMod, batch: tuple[int, ...], L: int, S: int, query: torch.Tensor) -> None:
     """Check the sizes a score mod carries, and refuse one whose result would need gradients of its own."""
-    B, H = _mod_sizes(batch)
+    B, H = mod_sizes(batch)
     mods.validate_sizes(score_mod, B, H, L, S)
     if L == 0 or S == 0:
         return
@@ -606,9 +253,9 @@ def tiled_attention(
             the ``Hkv`` key/value heads at dim -3. The key/value heads are
             shared by matmul broadcasting, never copied ``H / Hkv`` times.
         block_q: queries per block; ``None`` = ``block_mask.block_q`` when a
-            ``block_mask`` is given, else `DEFAULT_BLOCK_Q`.
+            ``block_mask`` is given, else `attention_ref.block_mask.DEFAULT_BLOCK_Q`.
         block_k: keys per block; ``None`` = ``block_mask.block_k``, else
-            `DEFAULT_BLOCK_K`. Neither needs to divide ``L`` or ``S``.
+            `attention_ref.block_mask.DEFAULT_BLOCK_K`. Neither needs to divide ``L`` or ``S``.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx)``, applied to each
             block of scaled scores before the masks (the order of
             `attention_ref.functional`). Gradients flow through it to the
@@ -617,8 +264,8 @@ def tiled_attention(
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx)``, ``True`` = takes part,
             combined (AND) with ``attn_mask`` and ``is_causal``. Blocks it
             removes entirely are skipped, forward and backward; blocks it keeps
-            entirely are computed without evaluating it (see `BlockMask`).
-        block_mask: a `BlockMask` made in advance by `create_block_mask` with the
+            entirely are computed without evaluating it (see `attention_ref.block_mask.BlockMask`).
+        block_mask: a `attention_ref.block_mask.BlockMask` made in advance by `attention_ref.block_mask.create_block_mask` with the
             same ``mask_mod`` and block sizes (built here when omitted), so the
             classification of the blocks can be reused across calls. Its mod is
             the call's: ``mask_mod`` may be left out, and if given must be that
@@ -656,7 +303,7 @@ def tiled_attention(
         raise TypeError("value must be a torch.Tensor, got NoneType")
     _inputs.check_mods(score_mod, mask_mod)
     _inputs.check_bool("return_lse", return_lse)
-    _block_mask_mod(mask_mod, block_mask)  # a BlockMask, of the same mod
+    resolve_mask_mod(mask_mod, block_mask)  # a BlockMask, of the same mod
     if block_q is None:
         block_q = DEFAULT_BLOCK_Q if block_mask is None else block_mask.block_q
     if block_k is None:
@@ -665,7 +312,7 @@ def tiled_attention(
     check_positive_int("block_k", block_k)
     query, key, value, mask, resolved = _inputs.prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     if sinks is not None:
-        batch = _batch_shape(query, key, value, enable_gqa)
+        batch = _inputs.batch_shape(query, key, value, enable_gqa)
         sinks = check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))
     return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
                   block_q=block_q, block_k=block_k, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
@@ -698,13 +345,13 @@ def _tiled(
     H = query.shape[-3] if enable_gqa else 1
     Hkv = key.shape[-3] if enable_gqa else 1
     G = H // Hkv  # query heads per key/value head (1 without grouped-query attention)
-    batch = _batch_shape(query, key, value, enable_gqa)
+    batch = _inputs.batch_shape(query, key, value, enable_gqa)
     kinds = pieces = None
     if block_mask is not None or mask_mod is not None:
         if block_mask is None:
-            block_mask = create_block_mask(mask_mod, *_mod_sizes(batch), L, S, block_q=block_q, block_k=block_k,
+            block_mask = create_block_mask(mask_mod, *mod_sizes(batch), L, S, block_q=block_q, block_k=block_k,
                                            device=query.device)
-        _check_block_mask(block_mask, mask_mod, batch, L, S, block_q, block_k)
+        check_block_mask(block_mask, mask_mod, batch, L, S, block_q, block_k)
         mask_mod, kinds, pieces = block_mask.mask_mod, block_mask.kinds.tolist(), block_mask._pieces
     if score_mod is not None:
         _check_score_mod(score_mod, batch, L, S, query)
@@ -734,13 +381,6 @@ def _tiled(
     out = out.to(query.dtype)
     return (out, lse) if return_lse else out
 
-
-def _batch_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> tuple[int, ...]:
-    """The broadcast leading dims ``(...)`` of the output, grouped key/value heads counted as ``H``."""
-    if enable_gqa:
-        H = query.shape[-3]
-        return tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-3] + (H,), value.shape[:-3] + (H,)))
-    return tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]))
 
 
 def _mask_block(mask: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
@@ -804,7 +444,7 @@ def _scores_block(
     if mask is not None:
         m_blk = _mask_block(mask, i0, i1, j0, j1)
         # A float mask is added to the scores (times log2 e, like them); a boolean one adds 0 or -inf.
-        bias = _bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else _float_bias(m_blk, s.dtype)
+        bias = bool_to_bias(m_blk, s.dtype) if m_blk.dtype == torch.bool else _float_bias(m_blk, s.dtype)
         terms.append((s.view(*batch, bq, bk), bias))  # (N*Hkv, G*bq, bk) -> (..., H, bq, bk), a view
     for first, piece in keep:  # (..., H, bq, bk) -> the columns of the piece, a strided view
         terms.append((s.view(*batch, bq, bk)[..., first:first + piece.shape[-1]], piece))
@@ -833,12 +473,6 @@ def _scores_block(
     return s if late is None else s.add_(late)
 
 
-def _grids(batch: tuple[int, ...], L: int, S: int, device: torch.device | str | None) -> tuple[torch.Tensor, ...]:
-    """``(b, h, q_idx, kv_idx)`` of the whole ``(*batch, L, S)`` scores, made once per call; blocks slice them."""
-    _, _, b, h, q_idx, kv_idx = mods.index_grids(batch, L, S, device)
-    return b, h, q_idx, kv_idx
-
-
 def _modified_scores(
     score_mod: mods.ScoreMod, scores2: torch.Tensor, grids: tuple[torch.Tensor, ...], i0: int, j0: int
 ) -> torch.Tensor:
@@ -846,14 +480,6 @@ def _modified_scores(
     bq, bk = scores2.shape[-2:]
     b, h, q_idx, kv_idx = grids
     return score_mod(scores2 * _LN2, b, h, q_idx[..., i0:i0 + bq, :], kv_idx[..., j0:j0 + bk])
-
-
-def _mod_block(
-    mask_mod: mods.MaskMod, grids: tuple[torch.Tensor, ...], i0: int, i1: int, j0: int, j1: int
-) -> torch.Tensor:
-    """``mask_mod`` on queries i0:i1 and keys j0:j1: bool, broadcastable to ``(..., H, i1 - i0, j1 - j0)``."""
-    b, h, q_idx, kv_idx = grids
-    return mask_mod(b, h, q_idx[..., i0:i1, :], kv_idx[..., j0:j1])  # slices of the call's grids: views
 
 
 def _float_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -884,15 +510,6 @@ def _check_float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> None:
         )
 
 
-def _bool_to_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``keep`` is True, -inf where it is False, in ``dtype``.
-
-    Computed as ``1 - 1/x`` on the mask read as 0/1 bytes: four vectorised passes,
-    several times faster on CPU than ``masked_fill`` or ``where`` on a boolean mask.
-    """
-    return keep.view(torch.uint8).to(dtype).reciprocal_().neg_().add_(1.0)
-
-
 def _buffer(like: torch.Tensor, *shape: int) -> torch.Tensor:
     """An uninitialised tensor of ``like``'s dtype and device; the loops allocate one per call and reuse it."""
     return torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -903,10 +520,6 @@ def _start_of(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
     if buffer.shape == shape:
         return buffer
     return buffer.view(-1)[: math.prod(shape)].view(shape)
-
-
-def _blocks(L: int, block: int) -> list[tuple[int, int]]:
-    return [(start, min(start + block, L)) for start in range(0, L, block)]
 
 
 def _key_spans(
@@ -920,14 +533,14 @@ def _key_spans(
     blocks, the only keys on which the ``mask_mod`` is evaluated.
     """
     if kinds is None:
-        return [(j0, j1, []) for j0, j1 in _blocks(last, block_k)]
+        return [(j0, j1, []) for j0, j1 in block_spans(last, block_k)]
     spans: list[tuple[int, int, list[tuple[int, int]]]] = []
     for kj, kind in enumerate(kinds[qi]):
         j0 = kj * block_k
-        if kind == _EMPTY or j0 >= last:
+        if kind == EMPTY or j0 >= last:
             continue
         j1 = min(j0 + block_k, last)
-        partial = [(j0, j1)] if kind == _PARTIAL else []
+        partial = [(j0, j1)] if kind == PARTIAL else []
         if spans and spans[-1][1] == j0 and j1 - spans[-1][0] <= span:
             start, _, before = spans.pop()
             j0, partial = start, before + partial
@@ -959,8 +572,8 @@ class _TiledAttention(torch.autograd.Function):
         span = max(block_k, _SPAN_KEYS)  # a block mask's neighbouring key blocks are computed together
         float_mask = mask is not None and mask.dtype != torch.bool
         scores = _buffer(q, NK, G * min(block_q, L), min(span if kinds else block_k, S))  # reused by every block
-        grids = _grids(batch, L, S, q.device) if score_mod is not None or mask_mod is not None else ()
-        for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
+        grids = call_grids(batch, L, S, q.device) if score_mod is not None or mask_mod is not None else ()
+        for qi, (i0, i1) in enumerate(block_spans(L, block_q)):
             bq = i1 - i0
             q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)  # (NK, G, bq, E) -> (NK, G*bq, E)
             # m_i running max, l_i running sum of exp, acc running sum of exp * v: set by the first span
@@ -1061,16 +674,16 @@ class _TiledAttention(torch.autograd.Function):
         kT, vT = k.transpose(1, 2), v.transpose(1, 2)  # (NK, E, S), (NK, Ev, S): views
         scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused for P by every block
         d_scores = _buffer(q, NK, G * min(block_q, L), min(block_k, S))  # reused for dP and dS
-        for kj, (j0, j1) in enumerate(_blocks(S, block_k)):
+        for kj, (j0, j1) in enumerate(block_spans(S, block_k)):
             bk = j1 - j0
             k_blk, kT_blk, vT_blk = k[:, j0:j1], kT[:, :, j0:j1], vT[:, :, j0:j1]
             first = j0 if is_causal else 0  # causal: rows i < j0 see none of these keys
-            for qi, (i0, i1) in enumerate(_blocks(L, block_q)):
-                if i1 <= first or (kinds is not None and kinds[qi][kj] == _EMPTY):
+            for qi, (i0, i1) in enumerate(block_spans(L, block_q)):
+                if i1 <= first or (kinds is not None and kinds[qi][kj] == EMPTY):
                     continue
                 bq = i1 - i0
                 q_blk = q[:, :, i0:i1].reshape(NK, G * bq, E)
-                partial = kinds is not None and kinds[qi][kj] == _PARTIAL
+                partial = kinds is not None and kinds[qi][kj] == PARTIAL
                 keep = [(0, pieces.get(mask_mod, grids, i0, i1, j0, j1, q.dtype))] if partial else []
                 # Recompute the block's weights from the saved log-sum-exp: P = exp(S - lse).
                 p = _scores_block(q_blk, kT_blk, mask, is_causal, batch, i0, i1, j0, j1,

@@ -56,9 +56,9 @@ from attention_ref._validation import (
     require_tensor,
     short_list,
 )
+from attention_ref.block_mask import BlockMask, made_by
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
-from attention_ref.tiled import BlockMask, _made_by
 
 __all__ = ["cu_seqlens_from_lengths", "pack", "unpack", "varlen_attention", "varlen_mask_mod"]
 
@@ -260,7 +260,7 @@ def _mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.M
 
 def _block_mask_for(block_mask: object, cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.MaskMod:
     """The mod of a ``block_mask`` made from ``varlen_mask_mod`` with this call's lengths and ``is_causal``."""
-    mask_mod, made = _made_by(block_mask, "_attention_ref_varlen",
+    mask_mod, made = made_by(block_mask, "_attention_ref_varlen",
                               "varlen_mask_mod(cu_seqlens_q, cu_seqlens_k, is_causal=...)")
     for name, want, got in (("cu_seqlens_q", cu_q, made[0]), ("cu_seqlens_k", cu_k, made[1])):
         if not torch.equal(got.to(want.device), want):
@@ -393,7 +393,7 @@ def varlen_attention(
             each query row's softmax denominator over its own sequence's keys
             (sink included), in the compute dtype (``"math"``, ``"tiled"``,
             ``"auto"`` only).
-        block_mask: the packed mask's `attention_ref.tiled.BlockMask`, made
+        block_mask: the packed mask's `attention_ref.block_mask.BlockMask`, made
             once with ``create_block_mask(varlen_mask_mod(cu_seqlens_q,
             cu_seqlens_k, is_causal=is_causal), None, None, total_q, total_k)``
             and reused by every layer over the same packing: ``"tiled"`` uses

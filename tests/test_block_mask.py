@@ -1,6 +1,6 @@
 """A block mask built once and passed as ``block_mask=`` to the public API (issue 23).
 
-Every entry point that takes a ``mask_mod`` takes a `attention_ref.tiled.BlockMask`:
+Every entry point that takes a ``mask_mod`` takes a `attention_ref.block_mask.BlockMask`:
 the results equal building it per call (float64, outputs and gradients), the tiled
 backend never evaluates the mod on full or empty blocks, and a block mask made for
 another call raises with both values in the message. The fast, evaluation-free
@@ -23,8 +23,8 @@ from attention_ref import (
     tiled,
 )
 from attention_ref.backends import select_backend
+from attention_ref.block_mask import BlockMask, create_block_mask
 from attention_ref.kv_cache import attention_with_kv_cache, kv_cache_mask_mod
-from attention_ref.tiled import create_block_mask
 from attention_ref.varlen import varlen_attention, varlen_mask_mod
 
 B, H, L, S, E, Ev = 2, 3, 13, 17, 5, 7
@@ -172,7 +172,7 @@ def test_varlen_and_kv_cache_take_a_block_mask():
     with pytest.raises(ValueError, match=r"block_mask must be made from kv_cache_mask_mod\(cache_seqlens, Lq, "
                                          r"is_causal=\.\.\.\), got a block mask of another mask_mod"):
         attention_with_kv_cache(qc, kc, vc, seqlens, is_causal=True, block_mask=other_mod)
-    with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.tiled.BlockMask, got str"):
+    with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.block_mask.BlockMask, got str"):
         attention_with_kv_cache(qc, kc, vc, seqlens, is_causal=True, block_mask="causal")
 
 
@@ -189,10 +189,10 @@ def test_a_block_mask_made_for_another_call_raises_with_both_values():
         attention_weights(q, k[..., :16, :], block_mask=bm)
     with pytest.raises(ValueError, match=r"mask_mod and block_mask.mask_mod must be the same function"):
         sdpa(q, k, v, mask_mod=mods.causal(), block_mask=bm)  # an equal mod, but another function
-    with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.tiled.BlockMask, got Tensor"):
+    with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.block_mask.BlockMask, got Tensor"):
         sdpa(q, k, v, block_mask=torch.ones(L, S, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"kinds must have shape .* = \(4, 6\), got \(3, 6\)"):
-        tiled.BlockMask(bm.mask_mod, 1, 1, L, S, 4, 3, bm.kinds[:-1])
+        BlockMask(bm.mask_mod, 1, 1, L, S, 4, 3, bm.kinds[:-1])
     with pytest.raises(ValueError, match=r"block_mask was made for block_k=3, this call has block_k=5"):
         tiled.tiled_attention(q, k, v, block_mask=bm, block_q=4, block_k=5)
     with pytest.raises(ValueError, match=r"block_mask was made for L=13, this call has L=12"):
@@ -252,15 +252,23 @@ def test_the_benchmark_runs_and_writes_its_json(bench, tmp_path):
 # Issue 39, S3: the public constructor trusted any kinds: all "full" for mods.causal() gave a
 # non-causal result with no error.
 def test_a_block_mask_built_by_hand_must_match_its_mod():
-    from attention_ref import tiled
-
     made = create_block_mask(mods.causal(), None, None, 8, 8, block_q=2, block_k=2)
-    same = tiled.BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, made.kinds.clone())  # right kinds: accepted
+    same = BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, made.kinds.clone())  # right kinds: accepted
     assert torch.equal(same.kinds, made.kinds)
     with pytest.raises(ValueError, match=r"kinds do not match mask_mod: block \(0, 0\) is given as 'full' but "
                                          r"the mod makes it 'partial' \(10 blocks differ\)"):
-        tiled.BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, torch.full_like(made.kinds, 2))
+        BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, torch.full_like(made.kinds, 2))
     with pytest.raises(ValueError, match=r"kinds do not match mask_mod: block \(0, 0\) is given as 7"):
-        tiled.BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, torch.full_like(made.kinds, 7))
+        BlockMask(made.mask_mod, 1, 1, 8, 8, 2, 2, torch.full_like(made.kinds, 7))
     with pytest.raises(ValueError, match=r"kinds do not match mask_mod"):
         dataclasses.replace(made, kinds=torch.full_like(made.kinds, 2))
+
+
+def test_the_block_mask_lives_beside_the_mods_and_the_tiled_module_still_names_it():
+    """Issue 48: the core and every path import the block mask from attention_ref.block_mask, not from a
+    backend's file; code written against attention_ref.tiled's names gets the same objects."""
+    from attention_ref import block_mask
+
+    assert BlockMask.__module__ == "attention_ref.block_mask"
+    for name in ("BlockMask", "create_block_mask", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"):
+        assert getattr(tiled, name) is getattr(block_mask, name), name

@@ -29,7 +29,7 @@ from attention_ref.distributed import (
     unshard,
 )
 from attention_ref.mods import sliding_window
-from attention_ref.tiled import create_block_mask
+from attention_ref.block_mask import create_block_mask
 from attention_ref.varlen import varlen_attention
 from ranks import WORLDS, run_in_every_group  # tests/ranks.py
 

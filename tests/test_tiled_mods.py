@@ -194,7 +194,9 @@ def test_a_block_mask_keeps_its_pieces_per_dtype_and_batch_within_its_budget(mon
     tiled_attention(q[:1, :1], k[:1, :1], v[:1, :1], block_mask=bm)  # other grids (batch 1, 1 head)
     assert len(bm._pieces.pieces) == 3 * first
     small = create_block_mask(mods.sliding_window(9), None, None, 32, 32, block_q=4, block_k=4)
-    monkeypatch.setattr(tiled, "_PIECE_CACHE_BYTES", 3 * 4 * 4 * 8)  # room for three float64 pieces
+    from attention_ref import block_mask  # the pieces are the block mask's: its budget
+
+    monkeypatch.setattr(block_mask, "_PIECE_CACHE_BYTES", 3 * 4 * 4 * 8)  # room for three float64 pieces
     assert torch.equal(tiled_attention(q, k, v, block_mask=small), reference)
     assert len(small._pieces.pieces) == 3 and small._pieces.nbytes == 3 * 128
     assert torch.equal(tiled_attention(q, k, v, block_mask=small), reference)  # the rest evaluated again
@@ -253,7 +255,7 @@ def test_block_mask_errors():
     with pytest.raises(ValueError, match=r"block_mask was made for H=4, this call has H=6"):
         tiled_attention(q, k, v, block_mask=create_block_mask(mods.causal(), None, 4, 8, 8, block_q=4, block_k=4),
                         block_q=4, block_k=4)
-    with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.tiled.BlockMask, got Tensor"):
+    with pytest.raises(TypeError, match=r"block_mask must be an attention_ref.block_mask.BlockMask, got Tensor"):
         tiled_attention(q, k, v, block_mask=torch.ones(2, 2))
     with pytest.raises(TypeError, match=r"mask_mod must return a bool tensor \(True = takes part\), got torch.int64"):
         create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx, None, None, 4, 4)
