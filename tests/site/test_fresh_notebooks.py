@@ -8,11 +8,11 @@ site's archive into a temporary folder, creates a virtual environment with ``pyt
 venv``, runs the install line there with the shell, word for word, and then runs every
 notebook of the archive (each the same file as the built page's) top to bottom as a script
 with that environment's Python, outside the repository (so the package is the installed
-one). It fails on any error, on any ``127.0.0.1`` and on any ``\\(`` in a
+one): all in one process, each notebook from a folder and with a namespace of its own. It fails on any error, on any ``127.0.0.1`` and on any ``\\(`` in a
 notebook. It also checks that the home page, the README and the notebooks use the line.
 
 It installs from the package registries (torch 2.13.0 from the machine's local CPU wheel,
-pip's cache for the rest): measured here about 75 s for the install and 70 s for the eleven
+pip's cache for the rest): measured here 67 s for the install and 40 s for the twelve
 notebooks, so it runs only when ``ATTENTION_REF_SLOW_TESTS=1`` or
 ``ATTENTION_REF_FRESH_NOTEBOOKS=1`` is set (``python3 dev.py check`` and ``.ci/run`` pass the
 environment through). ``ATTENTION_REF_FRESH_VENV=DIR`` reuses (or creates) the environment in
@@ -26,7 +26,6 @@ import fcntl
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -139,26 +138,69 @@ def notebook_script(notebook) -> str:
     return "\n".join(parts)
 
 
+#: Runs every notebook's script in one process of the fresh environment, each from its own folder and
+#: with a namespace of its own (``runpy.run_path``), and writes what each did to a JSON file. One process
+#: instead of one per notebook: each would import torch, NumPy and matplotlib again (about 2.5 s of a core
+#: apiece). A notebook that raises does not stop the next; each test below reads its own notebook's line.
+DRIVER = """
+import contextlib, io, json, os, runpy, sys, time, traceback
+results = {}
+for source, folder in json.loads(sys.argv[1]):
+    os.chdir(folder)
+    printed = io.StringIO()
+    start = time.perf_counter()
+    error = None
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(os.path.join(folder, "notebook.py"), run_name="__main__")
+    except BaseException:  # SystemExit and KeyboardInterrupt of a notebook too
+        error = traceback.format_exc()
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")
+    results[source] = {"error": error, "printed": printed.getvalue()[-2000:],
+                       "seconds": time.perf_counter() - start}
+    with open(sys.argv[2], "w") as out:  # after each notebook: a crash keeps what ran before it
+        json.dump(results, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(built_site: Path, fresh_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """{source: {"error": traceback or None, "printed": the end of its output, "seconds"}} of every
+    tutorial notebook, run top to bottom as a script with the fresh environment's Python (`DRIVER`)."""
+    base = tmp_path_factory.mktemp("notebooks")
+    plan = []
+    for source in TUTORIAL_SOURCES:
+        folder = base / notebooks_hook.notebook_name(source).removesuffix(".ipynb")
+        folder.mkdir()
+        (folder / "notebook.py").write_text(notebook_script(built_notebook(built_site, source)), encoding="utf-8")
+        plan.append((source, str(folder)))
+    (base / "driver.py").write_text(DRIVER, encoding="utf-8")
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([str(fresh_python), "-X", "faulthandler", str(base / "driver.py"), json.dumps(plan),
+                           str(base / "results.json")], cwd=base, env=env, capture_output=True, text=True,
+                          timeout=1800)
+    results = json.loads((base / "results.json").read_text()) if (base / "results.json").is_file() else {}
+    for source, _ in plan:  # a notebook the process never finished: the process's own error
+        results.setdefault(source, {"error": f"the process running the notebooks exited {done.returncode} "
+                                    f"before this one ended:\n{done.stderr[-4000:]}", "printed": "", "seconds": 0.0})
+    return results
+
+
 @slow
 @pytest.mark.parametrize("source", TUTORIAL_SOURCES)
-def test_notebook_runs_in_a_fresh_environment(built_site: Path, source: str, fresh_python: Path,
-                                              tmp_path: Path):
+def test_notebook_runs_in_a_fresh_environment(built_site: Path, source: str, notebook_runs: dict):
     notebook = built_notebook(built_site, source)  # the same bytes as the archive's (test above)
     text = json.dumps(notebook)  # sources and stored outputs alike
     assert "127.0.0.1" not in text, f"{source}: the notebook names 127.0.0.1"
     raw = "\n".join(json.dumps(cell.source)[1:-1] for cell in notebook.cells) + json.dumps(
         [c.get("outputs", []) for c in notebook.cells])
     assert "\\\\(" not in raw, f"{source}: the notebook keeps \\( math (Jupyter expects $)"
-    script = tmp_path / "notebook.py"
-    script.write_text(notebook_script(notebook), encoding="utf-8")
-    env = {**os.environ, "MPLBACKEND": "Agg"}
-    env.pop("PYTHONPATH", None)
-    start = time.perf_counter()
-    result = subprocess.run([str(fresh_python), "-X", "faulthandler", str(script)], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        cells = re.findall(r"__cell__ = (\d+)", script.read_text())
-        pytest.fail(f"{source}: the notebook failed in a fresh environment "
-                    f"(its code cells: {len(cells)})\n{result.stderr[-4000:]}", pytrace=False)
-    assert result.stdout.strip(), f"{source}: the notebook printed nothing"
-    print(f"{source}: {time.perf_counter() - start:.1f} s")
+    run = notebook_runs[source]
+    if run["error"] is not None:
+        cells = notebook_script(notebook).count("__cell__ = ")
+        pytest.fail(f"{source}: the notebook failed in a fresh environment (its code cells: {cells}; "
+                    f"`__cell__` in the traceback's frame is the cell)\n{run['error'][-4000:]}", pytrace=False)
+    assert run["printed"].strip(), f"{source}: the notebook printed nothing"
+    print(f"{source}: {run['seconds']:.1f} s")
