@@ -156,7 +156,7 @@ def moba_gate(
         TypeError: non-float tensors, a ``gate_dtype`` that is not a float dtype.
         ValueError: ``S != L``, a non-positive ``chunk_size``, shapes that do not fit.
 
-    Example:
+    Examples:
         >>> q = torch.tensor([[1.0, 0.0]] * 4)        # (L, E): 4 queries
         >>> k = torch.tensor([[2.0, 0], [4, 0], [1, 0], [1, 0]])
         >>> moba_gate(q, k, 2).tolist()               # chunk 0's mean key is (3, 0)
@@ -225,7 +225,7 @@ def moba_select(
         ValueError: ``topk = 1`` without ``topk1``, an unknown ``topk1``, and as `moba_gate`.
         TypeError: as `moba_gate`; ``topk`` not an int.
 
-    Example:
+    Examples:
         >>> q = torch.tensor([[1.0], [1.0], [1.0], [1.0], [1.0]])  # (L, E)
         >>> k = torch.tensor([[1.0], [1.0], [3.0], [3.0], [0.0]])  # chunks of 2: means 1, 3, 0
         >>> moba_select(q, k, 2, 2).tolist()          # query 4 takes chunk 1 (gate 3) over chunk 0 (1)
@@ -276,7 +276,7 @@ def moba_mask(
         ValueError: as `moba_select`.
         TypeError: as `moba_select`.
 
-    Example:
+    Examples:
         >>> q, k = torch.ones(5, 1), torch.tensor([[1.0], [1.0], [3.0], [3.0], [0.0]])
         >>> moba_mask(q, k, 2, 2).int().tolist()      # query 4: chunks 1 and 2
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
@@ -353,7 +353,7 @@ def moba_attention(
             ``chunk_size`` or ``topk``, bad ``cu_seqlens``, shapes that do not fit.
         TypeError: non-float tensors, different dtypes, a non-int ``chunk_size`` or ``topk``.
 
-    Example:
+    Examples:
         >>> gen = torch.Generator().manual_seed(0)
         >>> q, k, v = (torch.randn(2, 6, 4, generator=gen, dtype=torch.float64) for _ in range(3))
         >>> from attention_ref import scaled_dot_product_attention as sdpa
@@ -420,7 +420,7 @@ def moba_attention_merged(
         ValueError: as `moba_attention`.
         TypeError: as `moba_attention`.
 
-    Example:
+    Examples:
         >>> gen = torch.Generator().manual_seed(0)
         >>> q, k, v = (torch.randn(2, 9, 4, generator=gen, dtype=torch.float64) for _ in range(3))
         >>> out, lse = moba_attention_merged(q, k, v, chunk_size=2, topk=2)

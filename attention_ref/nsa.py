@@ -196,7 +196,7 @@ def compress_blocks(x: torch.Tensor, block_size: int, compress: Compress | None 
         TypeError: ``x`` not a float tensor, ``compress`` not callable or not returning a tensor.
         ValueError: a non-positive ``block_size``; ``compress`` returning another shape than ``(..., n, D')``.
 
-    Example:
+    Examples:
         >>> compress_blocks(torch.arange(5.0).reshape(5, 1), 2).tolist()  # blocks [0, 1], [2, 3]
         [[0.5], [2.5]]
     """
@@ -256,7 +256,7 @@ def compressed_attention(
         TypeError: non-float tensors, different dtypes.
         ValueError: shapes that do not fit, ``Hkv`` not dividing ``H``, a non-positive ``block_size``.
 
-    Example:
+    Examples:
         >>> q, k, v = torch.zeros(1, 4, 2), torch.zeros(1, 2, 2), torch.tensor([[[1.0], [3.0]]])
         >>> out, lse = compressed_attention(q, k, v, block_size=2)
         >>> out[0, :, 0].tolist(), lse[0].exp().tolist()   # query 0 sees nothing, 3 sees both blocks
@@ -318,7 +318,7 @@ def select_blocks(
         TypeError: non-float tensors; ``block_counts`` neither an int nor an integer tensor.
         ValueError: shapes that do not fit, a negative count, ``key_cmp`` with another number of blocks.
 
-    Example:
+    Examples:
         >>> q = torch.zeros(1, 7, 2)                   # (H, L, E): uniform scores
         >>> select_blocks(q, torch.zeros(1, 3, 2), block_size=2, block_counts=3)[0].tolist()
         [[0, -1, -1], [0, -1, -1], [0, 1, -1], [0, 1, -1], [0, 1, 2], [0, 1, 2], [0, 2, 3]]
@@ -396,7 +396,7 @@ def selected_attention(
         ValueError: shapes that do not fit, ``S != L``, a block outside ``[0, n)``
             other than ``-1`` or listed twice (`attention_ref.sparse.block_topk_indices`).
 
-    Example:
+    Examples:
         >>> q, k, v = torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.arange(4.0).reshape(1, 4, 1)
         >>> blocks = torch.tensor([[[0], [0], [1], [1]]])  # (Hkv, L, k): one block each
         >>> selected_attention(q, k, v, blocks, block_size=2)[0, :, 0].tolist()
@@ -439,7 +439,7 @@ def window_attention(
         TypeError: non-float tensors; ``window_size`` not an int.
         ValueError: shapes that do not fit, ``S != L``, ``window_size < 1``.
 
-    Example:
+    Examples:
         >>> q, k, v = torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.arange(4.0).reshape(1, 4, 1)
         >>> window_attention(q, k, v, window_size=2)[0, :, 0].tolist()
         [0.0, 0.5, 1.5, 2.5]
@@ -516,7 +516,7 @@ def nsa_attention(
         ValueError: each argument whose shape or value does not fit (the message
             names it, with the expected and the actual value).
 
-    Example:
+    Examples:
         >>> gen = torch.Generator().manual_seed(0)
         >>> q = torch.randn(1, 4, 9, 3, generator=gen, dtype=torch.float64)   # (B, H, L, E)
         >>> k, v = (torch.randn(1, 2, 9, 3, generator=gen, dtype=torch.float64) for _ in range(2))
