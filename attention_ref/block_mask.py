@@ -314,19 +314,8 @@ def _checked_strip(
     """``mask_mod`` on query rows i0:i1 and every key, checked: bool, broadcastable to ``(*batch, bq, S)``."""
     keep = mod_on_block(mask_mod, grids, i0, i1, 0, S)
     target = (*batch, i1 - i0, S)
-    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
-        got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
-        raise TypeError(f"mask_mod must return a bool tensor (True = takes part), got {got}")
-    try:
-        fits = tuple(torch.broadcast_shapes(keep.shape, target)) == target
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"mask_mod must return a tensor broadcastable to the scores (B, H, L, S), here to its "
-            f"query rows {i0}..{i1 - 1}: {fmt_shape(target)}, got shape {fmt_shape(keep.shape)}"
-        )
-    return keep
+    return mods.check_mask_result(
+        keep, target, f"the scores (B, H, L, S), here to its query rows {i0}..{i1 - 1}: {fmt_shape(target)}")
 
 
 def mod_sizes(batch: tuple[int, ...]) -> tuple[int, int]:

@@ -899,6 +899,12 @@ def apply_mask_mod(
     validate_sizes(mask_mod, B, H, *((L, S) if sizes is None else sizes))
     keep = _call_on_grids("mask_mod", mask_mod, b, h, q_idx, kv_idx)
     target = (*tuple(batch), L, S)
+    return check_mask_result(keep, target, f"the scores (..., L, S) = {fmt_shape(target)}")
+
+
+def check_mask_result(keep: object, target: tuple[int, ...], what: str) -> torch.Tensor:
+    """A mask mod's result ``keep``, checked: a bool tensor broadcastable to ``target`` (``what`` names it
+    in the error). Raises TypeError for another type or dtype, ValueError for another shape."""
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
         got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
         raise TypeError(f"mask_mod must return a bool tensor (True = takes part), got {got}")
@@ -907,10 +913,7 @@ def apply_mask_mod(
     except RuntimeError:
         fits = False
     if not fits:
-        raise ValueError(
-            f"mask_mod must return a tensor broadcastable to the scores (..., L, S) = {fmt_shape(target)}, "
-            f"got shape {fmt_shape(keep.shape)}"
-        )
+        raise ValueError(f"mask_mod must return a tensor broadcastable to {what}, got shape {fmt_shape(keep.shape)}")
     return keep
 
 
