@@ -20,6 +20,7 @@ vocabulary. The weights trained by ``scripts/train_char_lm.py`` ship with the pa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gzip
 import importlib.resources
@@ -51,6 +52,7 @@ __all__ = [
     "TrainConfig",
     "TrainLog",
     "evaluate",
+    "forward_trace",
     "generate",
     "induction_score",
     "load_char_lm",
@@ -390,6 +392,110 @@ class CharLM(nn.Module):
         """Mean cross-entropy (nats per character) of predicting ``targets`` ``(B, L)`` from ``ids``."""
         logits = self(ids)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def forward_trace(model: CharLM, ids: torch.Tensor, position: int, layer: int,
+                  head: int) -> dict[str, torch.Tensor]:
+    """Every stage of the forward pass at one position, for one layer and head, in float64.
+
+    The model reads ``ids[: position + 1]`` (a float64 copy of it, the same weights) once,
+    normally; forward hooks on the chosen block's modules record what goes in and out of
+    each. Only what happens inside the attention call is written out here, for the chosen
+    position (the last one read, so every key takes part): the scores of its query, their
+    scaling, the softmax and the weighted sum of the values. The page-11 widget's
+    ``trace`` (``docs/javascripts/char-lm.js``) returns the same stages under the same
+    names, and tests/site/test_char_lm.py holds the two together.
+
+    Args:
+        model: a `CharLM` without sinks.
+        ids: ``(L,)`` int64, ``L <= context``.
+        position: the character traced, ``0 <= position < L``; the prefix up to it is read.
+        layer: the block whose stages are returned.
+        head: the head, inside that block, whose stages are returned.
+
+    Returns:
+        With ``i = position``, ``D = d / H`` and ``d`` the width: ``"id"`` (a 0-d int64
+        tensor), ``"embedding"`` ``(d,)`` its row of the embedding table, ``"block_input"``
+        ``(d,)`` what enters the block (the embedding at layer 0), ``"norm1"`` ``(d,)``;
+        the chosen head's ``"q"``, ``"k"``, ``"v"`` ``(D,)`` and ``"q_rotated"``,
+        ``"k_rotated"`` (rotary positions; equal to ``q``, ``k`` without them); over keys
+        ``0 .. i``, ``"scores"`` ``(i + 1,)`` the dot products of the rotated query with the
+        rotated keys, ``"scaled"`` the scores times ``1 / sqrt(D)``, ``"weights"`` their
+        softmax; ``"head_output"`` ``(D,)`` the weighted sum of the values; ``"heads"``
+        ``(d,)`` every head's output joined, ``"out"`` ``(d,)`` its projection,
+        ``"residual"`` ``(d,)`` ``block_input + out``; with an MLP, ``"norm2"`` ``(d,)``,
+        ``"up"`` ``(4d,)``, ``"gelu"`` ``(4d,)`` and ``"down"`` ``(d,)``; ``"block_output"``
+        ``(d,)``; after the last block, ``"final_norm"`` ``(d,)``, ``"logits"`` ``(V,)`` and
+        ``"probabilities"`` ``(V,)`` of the next character.
+
+    Raises:
+        TypeError, ValueError: bad ``ids``; a ``position``, ``layer`` or ``head`` out of range;
+            a model with sinks.
+
+    Examples:
+        >>> model, tok, _ = load_char_lm()
+        >>> t = forward_trace(model, tok.encode("To be"), position=4, layer=0, head=1)
+        >>> t["q"].shape, t["weights"].shape, round(float(t["weights"].sum()), 12)
+        (torch.Size([32]), torch.Size([5]), 1.0)
+    """
+    c = model.config
+    _check_ids("ids", ids, c.vocab_size)
+    if c.sinks:
+        raise ValueError("forward_trace: models with sinks are not traced (their softmax has one more term)")
+    if not 1 <= len(ids) <= c.context:
+        raise ValueError(f"ids: 1 to context = {c.context} ids, got {len(ids)}")
+    for name, value, stop in (("position", position, len(ids)), ("layer", layer, c.layers), ("head", head, c.heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < stop:
+            raise ValueError(f"{name} must be an int in [0, {stop}), got {value!r}")
+    model = copy.deepcopy(model).double().eval()
+    block = model.blocks[layer]
+    H, d, i = c.heads, c.width, position
+    D = d // H
+    seen: dict[str, torch.Tensor] = {}  # name -> (L, n): every position's row, as the module saw it
+
+    def record(name: str, what: str) -> Callable:
+        def hook(module, args, output):
+            value = args[0] if what == "input" else output
+            seen[name] = (value[0] if isinstance(value, tuple) else value)[0]  # (1, L, n) -> (L, n)
+        return hook
+
+    hooks = [(block, "block_input", "input"), (block, "block_output", "output"), (block.norm1, "norm1", "output"),
+             (block.qkv, "qkv", "output"), (block.out, "heads", "input"), (block.out, "out", "output"),
+             (model.norm, "final_norm", "output")]
+    if c.mlp:
+        hooks += [(block.norm2, "residual", "input"), (block.norm2, "norm2", "output"), (block.up, "up", "output"),
+                  (block.down, "gelu", "input"), (block.down, "down", "output")]
+    handles = [module.register_forward_hook(record(name, what)) for module, name, what in hooks]
+    try:
+        logits = model(ids[None, : i + 1])[0, i]  # (V,)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not c.mlp:
+        seen["residual"] = seen["block_output"]
+    # (L, 3 * d) -> (L, 3, H, D) -> the chosen head's queries, keys and values, each (L, D)
+    q, k, v = seen.pop("qkv").view(i + 1, 3, H, D)[:, :, head].unbind(1)
+    if c.positions == "rope":
+        # each row rotated by its position, as the block rotates them: (1, 1, L, D)
+        q_rotated, k_rotated = (rope(t[None, None], torch.arange(i + 1))[0, 0] for t in (q, k))
+    else:
+        q_rotated, k_rotated = q, k
+    # inside the attention call, for query i: every key 0 .. i takes part (causal)
+    scores = k_rotated @ q_rotated[i]  # (L, D) @ (D,) -> (L,)
+    scaled = scores / math.sqrt(D)
+    weights = torch.softmax(scaled, dim=-1)
+    head_output = weights @ v  # (L,) @ (L, D) -> (D,)
+    at = {name: rows[i] for name, rows in seen.items()}  # position i's row of each
+    stages = {"id": ids[i].clone(), "embedding": model.embed(ids[i]), "block_input": at["block_input"],
+              "norm1": at["norm1"], "q": q[i], "k": k[i], "v": v[i], "q_rotated": q_rotated[i],
+              "k_rotated": k_rotated[i], "scores": scores, "scaled": scaled, "weights": weights,
+              "head_output": head_output, "heads": at["heads"], "out": at["out"], "residual": at["residual"]}
+    if c.mlp:
+        stages.update({name: at[name] for name in ("norm2", "up", "gelu", "down")})
+    stages.update(block_output=at["block_output"], final_norm=at["final_norm"], logits=logits,
+                  probabilities=torch.softmax(logits, dim=-1))
+    return stages
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,

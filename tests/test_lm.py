@@ -416,6 +416,85 @@ def test_mask_mod_replaces_the_causal_mask():
         model(torch.cat([ids, ids], 1), max_length=20)
 
 
+@pytest.mark.parametrize("kw", [{}, {"positions": "none"}, {"positions": "learned"}, {"mlp": False},
+                                {"layers": 3, "heads": 3}])
+def test_forward_trace_agrees_with_the_forward_pass(kw):
+    model = small(**kw)
+    c = model.config
+    D = c.width // c.heads
+    ids = torch.randint(0, 7, (11,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits, weights = model(ids[None], return_weights=True)  # the whole text: causal, so each prefix's
+    for position, layer, head in ((10, c.layers - 1, c.heads - 1), (4, 0, 1), (0, 1, 0), (7, 1, 0)):
+        t = lm.forward_trace(model, ids, position, layer, head)
+        exact = {"rtol": 1e-12, "atol": 1e-12}
+        # the two ends: the model's own probabilities and attention weights
+        torch.testing.assert_close(t["probabilities"], torch.softmax(logits[0, position], dim=-1), **exact)
+        torch.testing.assert_close(t["weights"], weights[layer][0, head, position, : position + 1], **exact)
+        # and every stage follows from the one before
+        block = model.blocks[layer]
+        assert int(t["id"]) == int(ids[position])
+        torch.testing.assert_close(t["embedding"], model.embed.weight[ids[position]], **exact)
+        if layer == 0:
+            extra = model.position.weight[position] if c.positions == "learned" else 0
+            torch.testing.assert_close(t["block_input"], t["embedding"] + extra, **exact)
+        with torch.no_grad():
+            torch.testing.assert_close(t["norm1"], block.norm1(t["block_input"]), **exact)
+            q, k, v = block.qkv(t["norm1"]).view(3, c.heads, D)[:, head]
+            torch.testing.assert_close(torch.stack([t["q"], t["k"], t["v"]]), torch.stack([q, k, v]), **exact)
+        for name in ("q", "k"):  # a rotation keeps the length; at position 0 (or without RoPE) it is none
+            torch.testing.assert_close(t[name + "_rotated"].norm(), t[name].norm(), **exact)
+            if position == 0 or c.positions != "rope":
+                torch.testing.assert_close(t[name + "_rotated"], t[name], **exact)
+        torch.testing.assert_close(t["scores"][-1], t["q_rotated"] @ t["k_rotated"], **exact)
+        torch.testing.assert_close(t["scaled"], t["scores"] / math.sqrt(D), **exact)
+        torch.testing.assert_close(t["weights"], torch.softmax(t["scaled"], dim=-1), **exact)
+        torch.testing.assert_close(t["heads"][head * D:(head + 1) * D], t["head_output"], **exact)
+        with torch.no_grad():
+            torch.testing.assert_close(t["out"], block.out(t["heads"]), **exact)
+        torch.testing.assert_close(t["residual"], t["block_input"] + t["out"], **exact)
+        if c.mlp:
+            torch.testing.assert_close(t["gelu"], F.gelu(t["up"], approximate="tanh"), **exact)
+            torch.testing.assert_close(t["block_output"], t["residual"] + t["down"], **exact)
+        else:
+            assert not {"norm2", "up", "gelu", "down"} & set(t)
+            torch.testing.assert_close(t["block_output"], t["residual"], **exact)
+        torch.testing.assert_close(t["logits"], t["final_norm"] @ model.embed.weight.T, **exact)
+        assert all(value.dtype == torch.float64 for name, value in t.items() if name != "id")
+
+
+def test_forward_trace_of_the_shipped_model_leaves_it_as_it_was(shipped):
+    model, tok, _ = shipped
+    ids = tok.encode("To be, or not to b")
+    t = lm.forward_trace(model, ids, position=17, layer=1, head=2)
+    with torch.no_grad():
+        logits, weights = model(ids[None], return_weights=True)  # float32
+    assert model.embed.weight.dtype == torch.float32 and not any(m._forward_hooks for m in model.modules())
+    assert not any(value.requires_grad for value in t.values())  # numbers to read, not a graph
+    torch.testing.assert_close(t["probabilities"].float(), torch.softmax(logits[0, -1], -1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(t["weights"].float(), weights[1][0, 2, -1], rtol=0, atol=1e-5)
+    assert list(t) == ["id", "embedding", "block_input", "norm1", "q", "k", "v", "q_rotated", "k_rotated",
+                       "scores", "scaled", "weights", "head_output", "heads", "out", "residual", "norm2", "up",
+                       "gelu", "down", "block_output", "final_norm", "logits", "probabilities"]
+
+
+def test_forward_trace_refuses_what_it_cannot_trace():
+    model = small()
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"position must be an int in \[0, 3\), got 3"):
+        lm.forward_trace(model, ids, 3, 0, 0)
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\), got 2"):
+        lm.forward_trace(model, ids, 0, 2, 0)
+    with pytest.raises(ValueError, match=r"head must be an int in \[0, 2\), got -1"):
+        lm.forward_trace(model, ids, 0, 0, -1)
+    with pytest.raises(ValueError, match=r"ids: 1 to context = 13 ids, got 14"):
+        lm.forward_trace(model, torch.zeros(14, dtype=torch.long), 0, 0, 0)
+    with pytest.raises(TypeError, match=r"ids must be a 1-d int64 tensor, got torch.int64 of shape \(1, 3\)"):
+        lm.forward_trace(model, ids[None], 0, 0, 0)
+    with pytest.raises(ValueError, match="models with sinks are not traced"):
+        lm.forward_trace(small(sinks=True), ids, 0, 0, 0)
+
+
 def test_browser_export_holds_every_weight(shipped):
     model, tok, _ = shipped
     manifest, raw = lm.browser_export(model, tok)

@@ -6,7 +6,9 @@
 // pass as attention_ref.lm.CharLM, in float64: embedding, pre-norm blocks (LayerNorm, causal
 // attention with rotary positions, LayerNorm, MLP with tanh-GELU), a last LayerNorm and the
 // tied embedding as the output layer. tests/site/test_char_lm.py checks its logits against
-// torch's on 20 prompts.
+// torch's on 20 prompts. `trace` returns every stage of that pass at one position, for one
+// layer and head (the widget's "step through" panel shows them); the same test file checks it
+// against attention_ref.lm.forward_trace.
 //
 // Shapes as in the package: L tokens, d width, H heads, D = d / H, V vocabulary.
 (function () {
@@ -113,8 +115,12 @@
     // A run of the model over `ids` (at most `context` of them). `previous`, a run whose ids
     // are a prefix of these, lends its keys, values, weights and logits (a KV cache): only
     // the new positions are computed. Returns {ids, logits (L*V), weights[layer][head]
-    // (L*L, row i = query i), keys, values}.
-    run(ids, previous) {
+    // (L*L, row i = query i), keys, values}. `probe`, an object, is filled with what each
+    // stage gives (see `trace`, which reads it): probe.layers[layer] = {input, norm1, qkv,
+    // queries, keys (rotated), values, dots[h] and scaled[h] (the last query's scores before
+    // and after 1/sqrt(D)), attended, projected, residual, norm2, up, gelu, down, output} and
+    // probe.finalNorm, each (positions computed) x (its width), but keys and values (L, d).
+    run(ids, previous, probe) {
       const L = ids.length, d = this.d, H = this.H, D = this.D, V = this.V;
       if (L > this.context) throw new Error(`at most ${this.context} characters, got ${L}`);
       let p = 0;
@@ -128,9 +134,12 @@
       let x = new Float64Array(fresh * d);
       const E = this.w["embed.weight"];
       for (let l = 0; l < fresh; l++) x.set(E.subarray(ids[p + l] * d, (ids[p + l] + 1) * d), l * d);
+      if (probe) probe.layers = [];
       for (let layer = 0; layer < this.layers; layer++) {
         const pre = `blocks.${layer}.`;
-        const qkv = this.linear(this.layerNorm(x, fresh, pre + "norm1"), fresh, d, pre + "qkv"); // (fresh, 3d)
+        const rec = probe ? { input: x.slice(), dots: [], scaled: [] } : null;
+        const normed = this.layerNorm(x, fresh, pre + "norm1");
+        const qkv = this.linear(normed, fresh, d, pre + "qkv"); // (fresh, 3d)
         const K = new Float64Array(L * d), Vv = new Float64Array(L * d);
         if (p > 0) {
           K.set(previous.keys[layer].subarray(0, p * d));
@@ -161,12 +170,15 @@
             const i = p + l; // the query's position: keys 0 .. i take part (causal)
             let max = -Infinity;
             const s = new Float64Array(i + 1);
+            const dots = rec && l === fresh - 1 ? (rec.dots[h] = new Float64Array(i + 1)) : null;
             for (let j = 0; j <= i; j++) {
               let dot = 0;
               for (let e = 0; e < D; e++) dot += Q[l * d + h * D + e] * K[j * d + h * D + e];
+              if (dots) dots[j] = dot;
               s[j] = dot * scale;
               if (s[j] > max) max = s[j];
             }
+            if (dots) rec.scaled[h] = s.slice();
             let sum = 0;
             for (let j = 0; j <= i; j++) { s[j] = Math.exp(s[j] - max); sum += s[j]; }
             for (let j = 0; j <= i; j++) {
@@ -179,8 +191,12 @@
         }
         const projected = this.linear(attended, fresh, d, pre + "out");
         for (let i = 0; i < x.length; i++) x[i] += projected[i];
+        if (rec) Object.assign(rec, { norm1: normed, qkv, queries: Q, keys: K, values: Vv, attended, projected,
+          residual: x.slice() });
         if (this.mlp) {
-          const up = this.linear(this.layerNorm(x, fresh, pre + "norm2"), fresh, d, pre + "up");
+          const normed2 = this.layerNorm(x, fresh, pre + "norm2");
+          const up = this.linear(normed2, fresh, d, pre + "up");
+          if (rec) Object.assign(rec, { norm2: normed2, up: up.slice() });
           const c = Math.sqrt(2 / Math.PI);
           for (let i = 0; i < up.length; i++) {
             const u = up[i];
@@ -188,12 +204,15 @@
           }
           const down = this.linear(up, fresh, 4 * d, pre + "down");
           for (let i = 0; i < x.length; i++) x[i] += down[i];
+          if (rec) Object.assign(rec, { gelu: up, down });
         }
+        if (rec) { rec.output = x.slice(); probe.layers.push(rec); }
         keys.push(K);
         values.push(Vv);
         weights.push(layerWeights);
       }
       const h = this.layerNorm(x, fresh, "norm");
+      if (probe) probe.finalNorm = h;
       const logits = new Float64Array(L * V);
       if (p > 0) logits.set(previous.logits.subarray(0, p * V));
       for (let l = 0; l < fresh; l++) {
@@ -204,6 +223,46 @@
         }
       }
       return { ids: ids.slice(), logits, weights, keys, values, computed: fresh };
+    }
+
+    // Every stage of the forward pass at `position` of `ids`, for one layer and head: `run` on
+    // the prefix ids[0 .. position] with a probe, read at the last row. The same names and
+    // numbers as attention_ref.lm.forward_trace (tests/site/test_char_lm.py holds them
+    // together): id, embedding, block_input, norm1, q, k, v (the head's, before rotation),
+    // q_rotated, k_rotated, scores / scaled / weights over keys 0 .. position, head_output,
+    // heads (every head's output joined), out, residual, norm2, up, gelu, down (with an MLP),
+    // block_output, final_norm, logits, probabilities. Each is a Float64Array but `id`.
+    trace(ids, position, layer, head) {
+      const check = (name, value, stop) => {
+        if (!Number.isInteger(value) || value < 0 || value >= stop) {
+          throw new RangeError(`${name} must be an integer in [0, ${stop}), got ${value}`);
+        }
+      };
+      check("position", position, Math.min(ids.length, this.context));
+      check("layer", layer, this.layers);
+      check("head", head, this.H);
+      const d = this.d, D = this.D, V = this.V, i = position, probe = {};
+      const run = this.run(ids.slice(0, i + 1), null, probe);
+      const r = probe.layers[layer];
+      const row = (a, n) => a.slice(i * n, (i + 1) * n); // position i's row of an (L, n) array
+      const ofHead = (a, n, start) => a.slice(i * n + start + head * D, i * n + start + (head + 1) * D);
+      const logits = row(run.logits, V);
+      const max = Math.max(...logits);
+      const exp = logits.map((z) => Math.exp(z - max)), sum = exp.reduce((a, b) => a + b, 0);
+      const t = {
+        id: ids[i], embedding: this.w["embed.weight"].slice(ids[i] * d, (ids[i] + 1) * d),
+        block_input: row(r.input, d), norm1: row(r.norm1, d),
+        q: ofHead(r.qkv, 3 * d, 0), k: ofHead(r.qkv, 3 * d, d), v: ofHead(r.qkv, 3 * d, 2 * d),
+        q_rotated: ofHead(r.queries, d, 0), k_rotated: ofHead(r.keys, d, 0),
+        scores: r.dots[head], scaled: r.scaled[head],
+        weights: run.weights[layer][head].slice(i * (i + 1), (i + 1) * (i + 1)),
+        head_output: ofHead(r.attended, d, 0), heads: row(r.attended, d), out: row(r.projected, d),
+        residual: row(r.residual, d),
+      };
+      if (this.mlp) Object.assign(t, { norm2: row(r.norm2, d), up: row(r.up, 4 * d), gelu: row(r.gelu, 4 * d),
+        down: row(r.down, d) });
+      return Object.assign(t, { block_output: row(r.output, d), final_norm: row(probe.finalNorm, d), logits,
+        probabilities: exp.map((e) => e / sum) });
     }
   }
 
@@ -262,6 +321,210 @@
     return `rgba(30, 136, 229, ${Math.sqrt(Math.max(0, Math.min(1, weight))).toFixed(3)})`;
   }
 
+  // A value's colour in a strip: orange above 0, blue below, stronger the larger |value| / `scale`.
+  function signedColor(value, scale) {
+    const a = Math.sqrt(Math.min(1, Math.abs(value) / (scale || 1))).toFixed(3);
+    return value >= 0 ? `rgba(239, 108, 0, ${a})` : `rgba(30, 136, 229, ${a})`;
+  }
+
+  const fmt = (x) => (Math.abs(x) < 5e-4 ? 0 : x).toFixed(3);
+  const norm = (v) => Math.sqrt(v.reduce((a, x) => a + x * x, 0));
+
+  let stepPanels = 0; // a distinct id per panel on the page
+
+  // The "step through" panel: one position of the text, one layer and head, every stage of the
+  // forward pass with its numbers (CharModel.trace). `state` is the widget's (model, run, layer,
+  // head); `chooseHead(layer, head)` makes the widget show that head everywhere.
+  function stepper(state, chooseHead) {
+    const id = `charlm-step-${++stepPanels}`;
+    const ui = {};
+    ui.toggle = el("button", { type: "button", class: "md-button charlm-step-toggle", "aria-expanded": "false",
+      "aria-controls": id }, "Step through the forward pass");
+    ui.panel = el("section", { class: "charlm-step", id, hidden: "", "aria-label": "The forward pass, step by step" });
+    const controls = el("div", { class: "charlm-step-controls" });
+    const posLabel = el("label", {});
+    ui.position = el("input", { type: "range", min: "0", max: "0", step: "1", value: "0",
+      "aria-label": "Position of the character traced" });
+    ui.posValue = el("output", { class: "charlm-step-pos" }, "");
+    posLabel.append(el("span", {}, "character "), ui.position, ui.posValue);
+    const select = (label, name) => {
+      const wrap = el("label", {});
+      const box = el("select", { "aria-label": label });
+      wrap.append(el("span", {}, name + " "), box);
+      controls.append(wrap);
+      return box;
+    };
+    controls.append(posLabel);
+    ui.layer = select("Layer traced", "layer");
+    ui.head = select("Head traced", "head");
+    ui.where = el("p", { class: "charlm-step-where" }, "");
+    ui.stages = el("ol", { class: "charlm-stages" });
+    ui.panel.append(controls, ui.where, ui.stages);
+    let follow = true; // trace the last character while the text grows, until another is picked
+    let pending = null;
+
+    function options() {
+      const m = state.model;
+      if (ui.layer.options.length !== m.layers) {
+        ui.layer.replaceChildren(...Array.from({ length: m.layers }, (_, l) => el("option", { value: String(l) }, String(l))));
+        ui.head.replaceChildren(...Array.from({ length: m.H }, (_, h) => el("option", { value: String(h) }, String(h))));
+      }
+      ui.layer.value = String(state.layer);
+      ui.head.value = String(state.head);
+    }
+
+    // A vector: a strip of coloured cells (its value on hover or tap), its first entries and its norm.
+    function vector(name, values, label) {
+      const box = el("div", { class: "charlm-vec", "data-name": name, "data-norm": norm(values).toPrecision(12) });
+      const scale = values.reduce((a, x) => Math.max(a, Math.abs(x)), 0);
+      const strip = el("canvas", { class: "charlm-strip", width: String(values.length), height: "1", role: "img",
+        "aria-label": `${label}: ${values.length} numbers, norm ${fmt(norm(values))}` });
+      const ctx = strip.getContext("2d");
+      values.forEach((x, k) => { ctx.fillStyle = signedColor(x, scale); ctx.fillRect(k, 0, 1, 1); });
+      const first = Array.from(values.slice(0, 5), fmt).join(", ");
+      const summary = `${label}: ${values.length} numbers, norm ${fmt(norm(values))}`;
+      const entries = `[${first}${values.length > 5 ? ", …" : ""}]`;
+      const line = el("code", { class: "charlm-vec-text" }, summary);
+      const list = el("code", { class: "charlm-vec-text" }, entries);
+      // the entry under the pointer (or a tap) replaces the summary until the pointer leaves
+      const point = (event) => {
+        const r = strip.getBoundingClientRect();
+        const k = Math.max(0, Math.min(values.length - 1, Math.floor(((event.clientX - r.left) / r.width) * values.length)));
+        line.textContent = `${label}[${k}] = ${values[k].toFixed(4)}`;
+      };
+      strip.addEventListener("pointermove", point);
+      strip.addEventListener("pointerdown", point);
+      strip.addEventListener("pointerleave", () => { line.textContent = summary; });
+      box.append(strip, line, list);
+      return box;
+    }
+
+    function stage(name, title, note, ...parts) {
+      const li = el("li", { class: "charlm-stage", "data-stage": name });
+      li.append(el("p", { class: "charlm-stage-title" }, title));
+      if (note) li.append(el("p", { class: "charlm-stage-note" }, note));
+      li.append(...parts);
+      ui.stages.append(li);
+    }
+
+    function draw() {
+      pending = null;
+      const m = state.model, run = state.run;
+      ui.stages.replaceChildren();
+      if (ui.panel.hidden || !m) return;
+      options();
+      if (!run) { ui.where.textContent = "Type some text above to trace it."; ui.posValue.textContent = ""; return; }
+      const ids = run.ids, L = ids.length;
+      ui.position.max = String(L - 1);
+      if (follow || Number(ui.position.value) > L - 1) ui.position.value = String(L - 1);
+      const i = Number(ui.position.value), layer = state.layer, head = state.head;
+      const t = m.trace(ids, i, layer, head);
+      const ch = (k) => showChar(m.chars[ids[k]]);
+      const D = m.D, d = m.d, last = m.layers - 1;
+      ui.posValue.textContent = `${i}: “${ch(i)}”`;
+      const next = i + 1 < L ? ` The text has “${ch(i + 1)}” next.` : " It is the last one: what comes next is unknown.";
+      ui.where.textContent = `Position ${i} (counting from 0), “${ch(i)}”: the model reads the ${i + 1} ` +
+        `character${i ? "s" : ""} up to it and predicts the one after it.${next}`;
+      ui.panel.dataset.position = String(i);
+
+      stage("embedding", "1. Character → id → embedding",
+        `“${ch(i)}” has id ${t.id}: its vector is row ${t.id} of the embedding table.`, vector("embedding", t.embedding, "e"));
+      let n = 2;
+      if (layer > 0) {
+        stage("block_input", `${n++}. Into layer ${layer}`,
+          `The embedding plus what ${layer > 1 ? `layers 0 to ${layer - 1}` : "layer 0"} added at this position ` +
+          "(the residual stream x).",
+          vector("block_input", t.block_input, "x"));
+      }
+      const x = t.block_input, mean = x.reduce((a, b) => a + b, 0) / d;
+      const std = Math.sqrt(x.reduce((a, b) => a + (b - mean) ** 2, 0) / d);
+      stage("norm1", `${n++}. Layer norm`, `x minus its mean (${fmt(mean)}), divided by its standard deviation ` +
+        `(${fmt(std)}), times a learned gain, plus a learned bias.`, vector("norm1", t.norm1, "n"));
+      stage("qkv", `${n++}. Query, key, value of head ${head}`, `n times the qkv weights: ${3 * d} numbers, of ` +
+        `which head ${head} takes ${D} each.`, vector("q", t.q, "q"), vector("k", t.k, "k"), vector("v", t.v, "v"));
+      stage("rope", `${n++}. Rotation (RoPE)`, `q and k turned by position ${i}: feature pair (j, j + ${D / 2}) by the ` +
+        `angle ${i}·θ_j. Lengths stay; only the angle between a query and a key changes with their distance.`,
+        vector("q_rotated", t.q_rotated, "q rotated"), vector("k_rotated", t.k_rotated, "k rotated"));
+      stage("scores", `${n++}. Scores, scaled`, `q · k of each of the ${i + 1} characters up to this one (the later ` +
+        `ones are masked: causal), times 1/√${D} = ${(1 / Math.sqrt(D)).toFixed(3)}.`,
+        vector("scores", t.scores, "q·k"), vector("scaled", t.scaled, "q·k/√D"));
+      const shaded = el("p", { class: "charlm-step-text", "aria-label": "Each character shaded by its weight" });
+      for (let j = 0; j <= i; j++) {
+        const span = el("span", { class: "charlm-step-token", title: `${(100 * t.weights[j]).toFixed(1)}%` }, ch(j));
+        span.style.backgroundColor = heatColor(t.weights[j]);
+        shaded.append(span);
+      }
+      const top = Array.from(t.weights.keys()).sort((a, b) => t.weights[b] - t.weights[a]).slice(0, 4);
+      const table = el("table", { class: "charlm-step-table" });
+      const headRow = el("tr", {});
+      for (const h of ["key", "q·k", "÷√D", "weight"]) headRow.append(el("th", {}, h));
+      table.append(headRow);
+      for (const j of top) {
+        const tr = el("tr", {});
+        tr.append(el("td", {}, `“${ch(j)}” ${j}`), el("td", {}, fmt(t.scores[j])), el("td", {}, fmt(t.scaled[j])),
+          el("td", {}, `${(100 * t.weights[j]).toFixed(1)}%`));
+        table.append(tr);
+      }
+      stage("weights", `${n++}. Softmax`, "exp of each scaled score, divided by their sum: weights that sum to 1 " +
+        "(the heaviest below).", shaded, el("div", { class: "charlm-table-wrap" }, undefined), vector("weights", t.weights, "w"));
+      ui.stages.lastChild.querySelector(".charlm-table-wrap").append(table);
+      stage("head_output", `${n++}. Weighted sum of the values`, `Σ w_j v_j over the ${i + 1} positions: what ` +
+        `head ${head} brings back.`, vector("head_output", t.head_output, "a"));
+      stage("out", `${n++}. Heads joined, projected`, `The ${m.H} heads' outputs side by side (${d} numbers), ` +
+        "times the out weights.", vector("heads", t.heads, "heads"), vector("out", t.out, "out"));
+      stage("residual", `${n++}. Residual`, "Added to what came in: x + out.", vector("residual", t.residual, "x"));
+      if (m.mlp) {
+        stage("mlp", `${n++}. MLP`, `Layer norm again, up to ${4 * d} numbers, GELU (tanh form), down to ${d}, ` +
+          "added to x.", vector("norm2", t.norm2, "n2"), vector("up", t.up, "up"), vector("gelu", t.gelu, "gelu"),
+          vector("down", t.down, "down"), vector("block_output", t.block_output, "x"));
+      }
+      const rest = layer === last ? "A " : layer + 1 === last ? `Layer ${last} runs the same way; after it, a ` :
+        `Layers ${layer + 1} to ${last} run the same way; after the last, a `;
+      stage("final_norm", `${n++}. Final layer norm`, rest + "last layer norm.", vector("final_norm", t.final_norm, "h"));
+      const order = Array.from(t.probabilities.keys()).sort((a, b) => t.probabilities[b] - t.probabilities[a]);
+      const list = el("ol", { class: "charlm-step-probs", "aria-label": "Most likely next characters here" });
+      const actual = i + 1 < L ? ids[i + 1] : -1;
+      for (const v of order.slice(0, 5)) {
+        const li = el("li", actual === v ? { class: "charlm-actual" } : {});
+        li.append(el("code", { class: "charlm-char" }, showChar(m.chars[v])));
+        const bar = el("span", { class: "charlm-bar" });
+        bar.style.width = `${(100 * t.probabilities[v]).toFixed(1)}%`;
+        const track = el("span", { class: "charlm-track" });
+        track.append(bar);
+        li.append(track, el("span", { class: "charlm-p" }, `${(100 * t.probabilities[v]).toFixed(1)}%`));
+        list.append(li);
+      }
+      const said = actual >= 0 ? ` The text's next character, “${showChar(m.chars[actual])}”, gets ` +
+        `${(100 * t.probabilities[actual]).toFixed(1)}% (rank ${order.indexOf(actual) + 1}).` : "";
+      stage("probabilities", `${n++}. Logits → next character`, `h times the embedding table (the same one as ` +
+        `in step 1): ${m.V} logits; their softmax gives the probabilities (the likeliest five).${said}`,
+        vector("logits", t.logits, "logits"), list);
+    }
+
+    // redraw soon (not on every keystroke or generated character)
+    function schedule() {
+      if (ui.panel.hidden) return;
+      clearTimeout(pending);
+      pending = setTimeout(draw, state.timer ? 400 : 60);
+    }
+
+    ui.toggle.addEventListener("click", () => {
+      const open = ui.panel.hidden;
+      ui.panel.hidden = !open;
+      ui.toggle.setAttribute("aria-expanded", String(open));
+      ui.toggle.textContent = open ? "Hide the forward pass" : "Step through the forward pass";
+      if (open) draw(); else ui.stages.replaceChildren();
+    });
+    ui.position.addEventListener("input", () => {
+      follow = Number(ui.position.value) === Number(ui.position.max);
+      schedule(); // a held arrow key redraws once it is let go, not at every repeat
+    });
+    const pick = () => chooseHead(Number(ui.layer.value), Number(ui.head.value));
+    ui.layer.addEventListener("change", pick);
+    ui.head.addEventListener("change", pick);
+    return { toggle: ui.toggle, panel: ui.panel, schedule, draw };
+  }
+
   function setup(root) {
     if (root.dataset.ready) return;
     root.dataset.ready = "1";
@@ -311,6 +574,11 @@
 
     const state = { model: null, run: null, layer: Number(root.dataset.layer || 0), head: Number(root.dataset.head || 0),
       timer: null, generating: 0, window: 0 };
+    const walk = stepper(state, (layer, head) => {
+      state.layer = layer; state.head = head; drawGrid(); drawFocus(); walk.draw();
+    });
+    controls.append(walk.toggle);
+    ui.focus.after(walk.panel);
 
     // The temperature and top-k the bars and the sampling use. An empty top-k box means no top-k (every
     // character, as top_k=None in attention_ref.lm.generate); a value that is not a whole number >= 1
@@ -387,7 +655,7 @@
           const canvas = el("canvas", { width: "1", height: "1" });
           button.append(canvas);
           button.addEventListener("click", () => {
-            state.layer = layer; state.head = h; drawGrid(); drawFocus();
+            state.layer = layer; state.head = h; drawGrid(); drawFocus(); walk.schedule();
             // on a phone the shaded text sits above the maps, off screen: bring it into view
             const box = ui.focus.getBoundingClientRect();
             if (box.top < 0 || box.bottom > window.innerHeight) ui.focusTitle.scrollIntoView({ block: "start" });
@@ -468,6 +736,7 @@
       drawProbs();
       drawGrid();
       drawFocus();
+      walk.schedule();
     }
 
     // One step of generation: sample from what the bars show and append it to the text.

@@ -12,6 +12,10 @@
 - The chosen head's map, drawn large, gives the weight of the cell under the pointer (torch's,
   to 1e-4) at 128 characters; a head tapped on a phone brings the text it shades into view.
 - The widget fits a 390 px phone; no console error.
+- The "step through" panel: the JavaScript trace of one position, layer and head gives every
+  stage of attention_ref.lm.forward_trace (float64, the same float16 weights) to 1e-5; the panel
+  opens and is driven by keyboard, shows those numbers, reads in both schemes and never makes a
+  390 px page scroll sideways.
 Fixtures (``site_url``, ``page``) come from tests/site/conftest.py.
 """
 
@@ -153,10 +157,10 @@ def test_unknown_characters_and_empty_input(page, site_url: str):
 
 def test_temperature_zero_is_certain(page, site_url: str):
     widget = open_widget(page, site_url)
-    widget.locator("input[type=range]").fill("0")
+    widget.locator(".charlm-controls input[type=range]").fill("0")
     assert widget.locator(".charlm-probs li").count() == 1
     assert widget.locator(".charlm-probs .charlm-p").first.text_content() == "100.0%"
-    widget.locator("input[type=range]").fill("1.5")
+    widget.locator(".charlm-controls input[type=range]").fill("1.5")
     assert widget.locator(".charlm-probs li").count() == 10
 
 
@@ -267,7 +271,7 @@ def test_every_controls_edge_stands_out_from_the_page_in_both_schemes(page, site
 def test_a_cleared_or_wrong_top_k_samples_among_every_character_and_says_so(page, site_url: str):
     widget = open_widget(page, site_url)
     status, top_k = widget.locator(".charlm-status"), widget.locator("input[type=number]")
-    widget.locator("input[type=range]").fill("1.5")
+    widget.locator(".charlm-controls input[type=range]").fill("1.5")
     top_k.fill("1")
     assert widget.locator(".charlm-probs li").count() == 1  # one character kept: certain
     top_k.fill("")
@@ -341,3 +345,120 @@ def test_the_chosen_heads_map_is_readable_at_any_length_and_gives_each_weight(pa
         assert abs(float(value.get_attribute("data-weight")) - expected) < 1e-4, (i, j, expected)
         assert f"(position {i})" in value.text_content() and f"(position {j})" in value.text_content()
     assert not page.console_errors
+
+
+#: (text, position, layer, head) traced in both languages: several texts and positions (the first
+#: character, the last of a full window, one in the middle), every layer and head at least once.
+TRACES = [
+    ("To be, or not to b", 17, 0, 0), ("To be, or not to b", 5, 3, 2), ("T", 0, 2, 1), ("HAMLET.\n", 7, 0, 1),
+    ("ROMEO.\nBut soft, what light through yonder window", 40, 1, 3), ("a" * 128, 127, 3, 3),
+    ("Is this a dagger which I see before me,", 20, 2, 2), ("What, ho! Horatio!", 11, 1, 0),
+]
+
+
+def test_javascript_trace_equals_forward_trace(page, site_url: str, model):
+    net, tok, _ = model
+    assert {layer for _, _, layer, _ in TRACES} == {0, 1, 2, 3} and {h for *_, h in TRACES} == {0, 1, 2, 3}
+    page.goto(site_url + PAGE)
+    got = page.evaluate(
+        """async ([url, cases]) => {
+            const m = await window.attentionRefCharLM.load(url);
+            return cases.map(([text, position, layer, head]) => Object.entries(
+                m.trace(m.encode(text).ids, position, layer, head)).map(([k, v]) => [k, typeof v === "number" ? v : Array.from(v)]));
+        }""",
+        [site_url + MANIFEST, TRACES],
+    )
+    for (text, position, layer, head), stages in zip(TRACES, got):
+        expected = lm.forward_trace(net, tok.encode(text), position, layer, head)
+        assert [name for name, _ in stages] == list(expected), (text, position)
+        for name, value in stages:
+            want = expected[name].numpy()
+            js = np.array(value, dtype=np.float64).reshape(want.shape)
+            gap = float(np.abs(js - want).max()) if want.size else 0.0
+            assert gap < 1e-5, f"{text!r} position {position}, layer {layer} head {head}: {name} differs by {gap:.2e}"
+
+
+STEP_EDGES = IN_SCHEME + """  return Array.from(widget.querySelectorAll('.charlm-step-controls select, .charlm-step-controls input'))
+    .map((c) => {
+      const style = getComputedStyle(c);
+      const edges = [over(style.backgroundColor, page)];
+      if (style.borderTopStyle !== 'none' && parseFloat(style.borderTopWidth) >= 1) edges.push(over(style.borderTopColor, page));
+      if (c.type === 'range') edges.splice(0, 1, style.accentColor === 'auto' ? page : over(style.accentColor, page));
+      const text = over(style.color, edges[0]);
+      return { name: c.getAttribute('aria-label'), page, edges, text, fill: edges[0] };
+    });
+}"""
+
+
+def _stage_norms(widget) -> dict[str, float]:
+    return dict(widget.locator(".charlm-step .charlm-vec").evaluate_all(
+        "vs => vs.map(v => [v.dataset.name, Number(v.dataset.norm)])"))
+
+
+def test_step_panel_opens_by_keyboard_shows_the_trace_and_fits_a_phone(page, site_url: str, model):
+    net, tok, _ = model
+    page.set_viewport_size({"width": 390, "height": 800})
+    widget = open_widget(page, site_url)
+    text = "To be, or not to b"
+    widget.locator("textarea").fill(text)
+    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 18", arg=WIDGET)
+    assert widget.locator(".charlm-step").is_hidden()
+    widget.locator("textarea").focus()
+    for _ in range(8):  # the controls after the box, then the panel's button
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.classList.contains('charlm-step-toggle')"):
+            break
+    else:
+        raise AssertionError("Tab never reached the step-through button")
+    page.keyboard.press("Enter")
+    toggle = widget.locator(".charlm-step-toggle")
+    assert toggle.get_attribute("aria-expanded") == "true"
+    panel = widget.locator(".charlm-step")
+    assert panel.is_visible() and panel.get_attribute("data-position") == "17"  # the last character at first
+    assert widget.locator(".charlm-stage").evaluate_all("s => s.map(x => x.dataset.stage)") == [
+        "embedding", "norm1", "qkv", "rope", "scores", "weights", "head_output", "out", "residual", "mlp",
+        "final_norm", "probabilities"]
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    box = panel.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 390, box
+
+    def shown_equals_python(position: int, layer: int, head: int) -> None:
+        expected = lm.forward_trace(net, tok.encode(text), position, layer, head)
+        for name, value in _stage_norms(widget).items():
+            assert abs(value - float(expected[name].norm())) < 1e-5, (position, layer, head, name)
+
+    shown_equals_python(17, 0, 0)
+    # the keyboard moves the character (slider) and picks the layer (menu)
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.getAttribute('aria-label')") == "Position of the character traced"
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_function("() => document.querySelector('.charlm-step').dataset.position === '16'")
+    assert "“␣”" in widget.locator(".charlm-step-pos").text_content()
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.getAttribute('aria-label')") == "Layer traced"
+    page.keyboard.press("ArrowDown")
+    page.wait_for_function("() => document.querySelector('.charlm-map[aria-pressed=true]').getAttribute('aria-label')"
+                           " === 'layer 1, head 0'")
+    assert "block_input" in _stage_norms(widget)  # past layer 0, the residual stream is its own stage
+    shown_equals_python(16, 1, 0)
+    # a whole window of text, every stage open: still no sideways scroll
+    widget.locator("textarea").fill("ROMEO.\nBut soft, what light through yonder window breaks? " * 3)
+    widget.get_by_label("Position of the character traced").press("End")
+    page.wait_for_function("() => document.querySelector('.charlm-step').dataset.position === '127'")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    toggle.focus()
+    page.keyboard.press("Space")
+    assert toggle.get_attribute("aria-expanded") == "false" and panel.is_hidden()
+    assert not page.console_errors
+
+
+@pytest.mark.parametrize("scheme", ["default", "slate"])
+def test_step_panel_controls_read_in_both_schemes(page, site_url: str, scheme: str):
+    widget = open_widget(page, site_url)
+    widget.locator(".charlm-step-toggle").click()
+    controls = widget.evaluate(STEP_EDGES, scheme)
+    assert {c["name"] for c in controls} == {"Position of the character traced", "Layer traced", "Head traced"}
+    for control in controls:
+        assert max(_contrast(edge, control["page"]) for edge in control["edges"]) >= 3, (scheme, control)
+        if control["name"] != "Position of the character traced":  # the menus' text
+            assert _contrast(control["text"], control["fill"]) >= 4.5, (scheme, control)
