@@ -120,11 +120,16 @@
     // queries, keys (rotated), values, dots[h] and scaled[h] (the last query's scores before
     // and after 1/sqrt(D)), attended, projected, residual, norm2, up, gelu, down, output} and
     // probe.finalNorm, each (positions computed) x (its width), but keys and values (L, d).
-    run(ids, previous, probe) {
+    // `off`, a list of [layer, head] pairs, switches those heads off: their weights are still
+    // computed and returned, but they add nothing to the layer's output (attention_ref.lm's
+    // `ablate`). A previous run lends its cache only if it had the same heads off.
+    run(ids, previous, probe, off) {
       const L = ids.length, d = this.d, H = this.H, D = this.D, V = this.V;
       if (L > this.context) throw new Error(`at most ${this.context} characters, got ${L}`);
+      const silent = new Set((off || []).map(([layer, head]) => layer * H + head));
+      const offKey = Array.from(silent).sort((a, b) => a - b).join(",");
       let p = 0;
-      if (previous && previous.ids.length <= L) {
+      if (previous && previous.ids.length <= L && previous.off === offKey) {
         while (p < previous.ids.length && previous.ids[p] === ids[p]) p++;
         if (p < previous.ids.length) p = 0; // not a prefix: start again
       }
@@ -181,10 +186,11 @@
             if (dots) rec.scaled[h] = s.slice();
             let sum = 0;
             for (let j = 0; j <= i; j++) { s[j] = Math.exp(s[j] - max); sum += s[j]; }
+            const adds = !silent.has(layer * H + h); // a head switched off adds nothing
             for (let j = 0; j <= i; j++) {
               const wgt = s[j] / sum;
               Wm[i * L + j] = wgt;
-              for (let e = 0; e < D; e++) attended[l * d + h * D + e] += wgt * Vv[j * d + h * D + e];
+              if (adds) for (let e = 0; e < D; e++) attended[l * d + h * D + e] += wgt * Vv[j * d + h * D + e];
             }
           }
           layerWeights.push(Wm);
@@ -222,7 +228,23 @@
           logits[(p + l) * V + v] = s;
         }
       }
-      return { ids: ids.slice(), logits, weights, keys, values, computed: fresh };
+      return { ids: ids.slice(), logits, weights, keys, values, computed: fresh, off: offKey };
+    }
+
+    // Mean cross-entropy (nats per character) of a run's predictions of its own next characters:
+    // row i of the logits predicts ids[i + 1]. NaN for fewer than two characters.
+    loss(run) {
+      const V = this.V, L = run.ids.length;
+      let total = 0;
+      for (let i = 0; i + 1 < L; i++) {
+        const row = run.logits.subarray(i * V, (i + 1) * V);
+        let max = -Infinity;
+        for (const v of row) if (v > max) max = v;
+        let sum = 0;
+        for (const v of row) sum += Math.exp(v - max);
+        total += Math.log(sum) + max - row[run.ids[i + 1]];
+      }
+      return L > 1 ? total / (L - 1) : NaN;
     }
 
     // Every stage of the forward pass at `position` of `ids`, for one layer and head: `run` on
@@ -232,7 +254,7 @@
     // q_rotated, k_rotated, scores / scaled / weights over keys 0 .. position, head_output,
     // heads (every head's output joined), out, residual, norm2, up, gelu, down (with an MLP),
     // block_output, final_norm, logits, probabilities. Each is a Float64Array but `id`.
-    trace(ids, position, layer, head) {
+    trace(ids, position, layer, head, off) {
       const check = (name, value, stop) => {
         if (!Number.isInteger(value) || value < 0 || value >= stop) {
           throw new RangeError(`${name} must be an integer in [0, ${stop}), got ${value}`);
@@ -242,7 +264,7 @@
       check("layer", layer, this.layers);
       check("head", head, this.H);
       const d = this.d, D = this.D, V = this.V, i = position, probe = {};
-      const run = this.run(ids.slice(0, i + 1), null, probe);
+      const run = this.run(ids.slice(0, i + 1), null, probe, off); // heads switched off add nothing
       const r = probe.layers[layer];
       const row = (a, n) => a.slice(i * n, (i + 1) * n); // position i's row of an (L, n) array
       const ofHead = (a, n, start) => a.slice(i * n + start + head * D, i * n + start + (head + 1) * D);
@@ -418,7 +440,7 @@
       ui.position.max = String(L - 1);
       if (follow || Number(ui.position.value) > L - 1) ui.position.value = String(L - 1);
       const i = Number(ui.position.value), layer = state.layer, head = state.head;
-      const t = m.trace(ids, i, layer, head);
+      const t = m.trace(ids, i, layer, head, state.off);
       const ch = (k) => showChar(m.chars[ids[k]]);
       const D = m.D, d = m.d, last = m.layers - 1;
       ui.posValue.textContent = `${i}: “${ch(i)}”`;
@@ -563,9 +585,16 @@
       "aria-label": "The chosen head's attention map: point at a cell for its weight" });
     ui.zoomValue = el("output", { class: "charlm-zoom-value", "aria-live": "polite" },
       "Point at (or tap) a cell of the map for its weight.");
+    // heads to switch off: each still attends, but adds nothing to its layer's output (lm's `ablate`)
+    ui.switches = el("div", { class: "charlm-grid charlm-switches", role: "group",
+      "aria-label": "Switch heads off" });
+    ui.allOn = el("button", { type: "button", class: "md-button charlm-all-on" }, "All heads on");
+    ui.loss = el("p", { class: "charlm-loss", role: "status", "aria-live": "polite" }, "");
     const right = el("div", { class: "charlm-col" });
     right.append(el("p", { class: "charlm-heading" }, "Attention: every layer × head (click one)"), ui.grid,
-      ui.zoomTitle, ui.zoom, ui.zoomValue);
+      ui.zoomTitle, ui.zoom, ui.zoomValue,
+      el("p", { class: "charlm-heading" }, "Switch heads off: a head switched off still attends, but adds nothing"),
+      ui.switches, ui.allOn, ui.loss);
     const panels = el("div", { class: "charlm-panels" });
     panels.append(left, right);
     root.append(ui.input, ui.status, controls, ui.focusTitle, ui.focus, panels);
@@ -573,7 +602,7 @@
     ui.tValue.textContent = Number(ui.temperature.value).toFixed(2);
 
     const state = { model: null, run: null, layer: Number(root.dataset.layer || 0), head: Number(root.dataset.head || 0),
-      timer: null, generating: 0, window: 0 };
+      timer: null, generating: 0, window: 0, off: [], base: null };
     const walk = stepper(state, (layer, head) => {
       state.layer = layer; state.head = head; drawGrid(); drawFocus(); walk.draw();
     });
@@ -603,7 +632,9 @@
       const kept = ids.length > m.context ? ids.slice(ids.length - m.context) : ids;
       state.window = ids.length - kept.length;
       const cropped = state.window > 0;
-      state.run = kept.length ? m.run(kept, cropped ? null : state.run) : null;
+      state.run = kept.length ? m.run(kept, cropped ? null : state.run, null, state.off) : null;
+      // with heads off, the same text with every head on, for comparison
+      state.base = kept.length && state.off.length ? m.run(kept, cropped ? null : state.base) : state.run;
       const notes = [];
       if (unknown.length) {
         const shown = unknown.slice(0, 5).map(([i, ch]) => `“${ch}” (at ${i})`).join(", ");
@@ -676,6 +707,43 @@
       }
     }
 
+    // The on/off switch of every head, and the loss on the text with the heads as they are.
+    function drawSwitches() {
+      const m = state.model;
+      ui.switches.replaceChildren();
+      ui.switches.style.gridTemplateColumns = `auto repeat(${m.H}, 1fr)`;
+      ui.switches.append(el("span", {}, ""));
+      for (let h = 0; h < m.H; h++) ui.switches.append(el("span", { class: "charlm-axis" }, `head ${h}`));
+      for (let layer = 0; layer < m.layers; layer++) {
+        ui.switches.append(el("span", { class: "charlm-axis" }, `layer ${layer}`));
+        for (let h = 0; h < m.H; h++) {
+          const isOff = state.off.some(([a, b]) => a === layer && b === h);
+          const button = el("button", { type: "button", class: "charlm-switch", "aria-pressed": String(isOff),
+            "aria-label": `switch head ${h} of layer ${layer} off` }, isOff ? "off" : "on");
+          button.addEventListener("click", () => {
+            state.off = isOff ? state.off.filter(([a, b]) => a !== layer || b !== h) : [...state.off, [layer, h]];
+            refresh();
+            ui.switches.querySelector(`[aria-label="switch head ${h} of layer ${layer} off"]`)?.focus();
+          });
+          ui.switches.append(button);
+        }
+      }
+      ui.allOn.disabled = !state.off.length;
+      const run = state.run;
+      if (!run || run.ids.length < 2) {
+        ui.loss.textContent = "Type two characters or more to see the loss on your text.";
+        delete root.dataset.loss;
+        return;
+      }
+      const loss = m.loss(run), base = m.loss(state.base);
+      root.dataset.loss = loss.toFixed(6);
+      root.dataset.off = JSON.stringify(state.off);
+      ui.loss.textContent = `Loss on your text: ${loss.toFixed(3)} nats per character` + (state.off.length
+        ? ` with ${state.off.length} head${state.off.length > 1 ? "s" : ""} off (every head on: ${base.toFixed(3)})`
+        : ` (every head on; ln ${m.V} = ${Math.log(m.V).toFixed(2)} is a uniform guess)`);
+    }
+    ui.allOn.addEventListener("click", () => { state.off = []; refresh(); });
+
     function drawZoom() {
       const run = state.run;
       ui.zoom.hidden = !run;
@@ -734,6 +802,7 @@
       if (!state.model) return;
       compute();
       drawProbs();
+      drawSwitches();
       drawGrid();
       drawFocus();
       walk.schedule();

@@ -16,6 +16,9 @@
   stage of attention_ref.lm.forward_trace (float64, the same float16 weights) to 1e-5; the panel
   opens and is driven by keyboard, shows those numbers, reads in both schemes and never makes a
   390 px page scroll sideways.
+- Heads switched off: the JavaScript forward pass with heads off gives the logits of the package's
+  model with those heads ablated (``ablate=``), and its loss on the text their cross-entropy; the
+  widget's switches do that, say it, and "All heads on" undoes it.
 Fixtures (``site_url``, ``page``) come from tests/site/conftest.py.
 """
 
@@ -462,3 +465,67 @@ def test_step_panel_controls_read_in_both_schemes(page, site_url: str, scheme: s
         assert max(_contrast(edge, control["page"]) for edge in control["edges"]) >= 3, (scheme, control)
         if control["name"] != "Position of the character traced":  # the menus' text
             assert _contrast(control["text"], control["fill"]) >= 4.5, (scheme, control)
+
+
+OFF = [[], [[0, 1]], [[1, 0], [2, 3]], [[3, 0], [3, 1], [3, 2], [3, 3]]]
+
+
+def test_heads_switched_off_in_javascript_equal_lm_ablate(page, site_url: str, model):
+    net, tok, _ = model
+    texts = ["To be, or not to be, that is the question", "MACBETH.\nIs this a dagger which I see", "KING LEAR.\nNo"]
+    page.goto(site_url + PAGE)
+    got = page.evaluate(
+        """async ([url, texts, offs]) => {
+            const m = await window.attentionRefCharLM.load(url);
+            return texts.flatMap((t) => offs.map((off) => {
+                const run = m.run(m.encode(t).ids, null, null, off);
+                return [Array.from(run.logits), m.loss(run)];
+            }));
+        }""",
+        [site_url + MANIFEST, texts, OFF],
+    )
+    pairs = iter(got)
+    for text in texts:
+        ids = tok.encode(text)[None]
+        for off in OFF:
+            logits, loss = next(pairs)
+            with torch.no_grad():
+                expected = net(ids, ablate=[tuple(p) for p in off])[0]  # (L, V)
+            gap = float(np.abs(np.array(logits).reshape(expected.shape) - expected.numpy()).max())
+            assert gap < 1e-4, (text, off, gap)
+            expected_loss = float(torch.nn.functional.cross_entropy(expected[:-1], ids[0, 1:]))
+            assert abs(loss - expected_loss) < 1e-4, (text, off, loss, expected_loss)
+    # switching heads off changes what the model predicts
+    assert got[1][0] != got[0][0] and got[3][1] != got[0][1]
+
+
+def test_the_widget_switches_heads_off_and_says_what_it_costs(page, site_url: str, model):
+    net, tok, _ = model
+    widget = open_widget(page, site_url)
+    text = "To be, or not to be, that is the question"
+    before = widget.get_attribute("data-loss")  # the page's own prompt's
+    widget.locator("textarea").fill(text)
+    page.wait_for_function("([sel, old]) => document.querySelector(sel).dataset.loss !== old", arg=[WIDGET, before])
+    ids = tok.encode(text)[None]
+
+    def python_loss(off):
+        with torch.no_grad():
+            logits = net(ids, ablate=off)[0]
+        return float(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:]))
+
+    assert abs(float(widget.get_attribute("data-loss")) - python_loss([])) < 1e-4
+    switch = widget.locator('[aria-label="switch head 2 of layer 1 off"]')
+    switch.focus()
+    page.keyboard.press("Enter")  # by keyboard: the switch is a button
+    page.wait_for_function("sel => document.querySelector(sel).dataset.off === '[[1,2]]'", arg=WIDGET)
+    assert widget.locator('[aria-label="switch head 2 of layer 1 off"]').get_attribute("aria-pressed") == "true"
+    assert abs(float(widget.get_attribute("data-loss")) - python_loss([(1, 2)])) < 1e-4
+    status = widget.locator(".charlm-loss").inner_text()
+    assert "with 1 head off (every head on: " in status and f"{python_loss([]):.3f}" in status
+    widget.locator('[aria-label="switch head 0 of layer 3 off"]').click()
+    assert abs(float(widget.get_attribute("data-loss")) - python_loss([(1, 2), (3, 0)])) < 1e-4
+    widget.locator(".charlm-all-on").click()
+    assert abs(float(widget.get_attribute("data-loss")) - python_loss([])) < 1e-4
+    assert widget.locator('.charlm-switch[aria-pressed="true"]').count() == 0
+    assert page.evaluate("document.documentElement.scrollWidth") <= page.viewport_size["width"]
+    assert page.console_errors == []
