@@ -253,9 +253,17 @@ def test_search_finds_a_page_offline(searching_page, site_url: str):
     page.settle()
     page.locator(".md-search__input").click()
     page.locator(".md-search__input").press_sequentially(query)  # Material listens to keys
-    results = page.locator(".md-search-result__item a")
-    results.first.wait_for()
-    hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
+    # Material redraws the list on each key the worker answers: read it in one go, and wait (up to the
+    # page's timeout) for the page expected to be among the results, rather than counting a list that
+    # may still change under the reading
+    links = ".md-search-result__item a"
+    page.locator(links).first.wait_for()
+    try:
+        page.wait_for_function("""([sel, want]) => [...document.querySelectorAll(sel)]
+            .some(a => (a.getAttribute("href") || "").includes(want))""", arg=[links, expected])
+    except Exception:  # noqa: BLE001 - the assert below reports what the list held
+        pass
+    hrefs = page.eval_on_selector_all(links, "els => els.map(a => a.getAttribute('href'))")
     assert any(expected in (href or "") for href in hrefs), hrefs
     assert_clean(page, site_url)
 
