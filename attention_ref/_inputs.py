@@ -228,3 +228,13 @@ def batch_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ena
         H = query.shape[-3]
         return tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-3] + (H,), value.shape[:-3] + (H,)))
     return tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]))
+
+
+def check_self_attention(query: torch.Tensor, key: torch.Tensor, family: str) -> None:
+    """``family`` (MoBA, NSA) is causal self-attention: as many keys as queries, or a ValueError."""
+    L, S = query.shape[-2], key.shape[-2]
+    if L != S:
+        raise ValueError(
+            f"key must have S = L = {L} keys ({family} is causal self-attention: query t and key t are one "
+            f"position), got key {fmt_shape(key.shape)} with S = {S}"
+        )

@@ -110,15 +110,6 @@ def _check_topk(topk: object, topk1: object) -> int:
     return topk
 
 
-def _check_self_attention(query: torch.Tensor, key: torch.Tensor) -> None:
-    L, S = query.shape[-2], key.shape[-2]
-    if L != S:
-        raise ValueError(
-            f"key must have S = L = {L} keys (MoBA is causal self-attention: query t and key t are one "
-            f"position), got key {fmt_shape(key.shape)} with S = {S}"
-        )
-
-
 def _check_gate_dtype(gate_dtype: object) -> torch.dtype:
     if not isinstance(gate_dtype, torch.dtype) or not gate_dtype.is_floating_point:
         raise TypeError(f"gate_dtype must be a floating-point torch.dtype, got {gate_dtype!r}")
@@ -165,7 +156,7 @@ def moba_gate(
     query, key, _, _ = _inputs.check_qk(query, key, None, enable_gqa)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     gate_dtype = _check_gate_dtype(gate_dtype)
-    _check_self_attention(query, key)
+    _inputs.check_self_attention(query, key, "MoBA")
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E): each query head gates with its key head
         key = _inputs.expand_kv_heads(query, key, "key")
     L, S = query.shape[-2], key.shape[-2]

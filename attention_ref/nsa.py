@@ -122,15 +122,6 @@ def _check_heads(query: object, key: object, value: object | None = None,
     return (query, key) if value is None else (query, key, value)
 
 
-def _check_self_attention(query: torch.Tensor, key: torch.Tensor) -> None:
-    L, S = query.shape[-2], key.shape[-2]
-    if L != S:
-        raise ValueError(
-            f"key must have S = L = {L} keys (NSA is causal self-attention: query t and key t are one "
-            f"position), got key {fmt_shape(key.shape)} with S = {S}"
-        )
-
-
 def _check_block_indices(block_indices: object, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """``(..., Hkv, L, k)`` integer; the values are checked by `attention_ref.sparse.block_topk_indices`."""
     block_indices = require_tensor("block_indices", block_indices)
@@ -403,7 +394,7 @@ def selected_attention(
         [0.0, 0.5, 2.0, 2.5]
     """
     query, key, value = _check_heads(query, key, value)
-    _check_self_attention(query, key)
+    _inputs.check_self_attention(query, key, "NSA")
     block_indices = _check_block_indices(block_indices, query, key)
     per_head = block_indices.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)  # (..., Hkv, L, k) -> (..., H, L, k)
     return block_topk_attention(query, key, value, per_head, block_size, is_causal=True, scale=scale,
@@ -445,7 +436,7 @@ def window_attention(
         [0.0, 0.5, 1.5, 2.5]
     """
     query, key, value = _check_heads(query, key, value)
-    _check_self_attention(query, key)
+    _inputs.check_self_attention(query, key, "NSA")
     window_size = check_positive_int("window_size", window_size)
     L = query.shape[-2]
     mask_mod = conventions.from_flash_attn_window((window_size - 1, 0), L, L, causal=True)
@@ -526,7 +517,7 @@ def nsa_attention(
         True
     """
     query, key, value = _check_heads(query, key, value)
-    _check_self_attention(query, key)
+    _inputs.check_self_attention(query, key, "NSA")
     gates = [_check_gate(name, g, query) for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa))]
     block_size = check_positive_int("block_size", block_size)
     window_size = check_positive_int("window_size", window_size)

@@ -126,6 +126,13 @@
     run(ids, previous, probe, off) {
       const L = ids.length, d = this.d, H = this.H, D = this.D, V = this.V;
       if (L > this.context) throw new Error(`at most ${this.context} characters, got ${L}`);
+      for (const pair of off || []) { // a head that does not exist is named, never ignored
+        const [layer, head] = Array.isArray(pair) ? pair : [];
+        if (!Number.isInteger(layer) || !Number.isInteger(head) || layer < 0 || layer >= this.layers ||
+            head < 0 || head >= H) {
+          throw new RangeError(`off: no head ${JSON.stringify(pair)} in ${this.layers} layers x ${H} heads`);
+        }
+      }
       const silent = new Set((off || []).map(([layer, head]) => layer * H + head));
       const offKey = Array.from(silent).sort((a, b) => a - b).join(",");
       let p = 0;
@@ -672,15 +679,22 @@
       }
     }
 
-    function drawGrid() {
-      ui.grid.replaceChildren();
-      const m = state.model, run = state.run;
-      ui.grid.style.gridTemplateColumns = `auto repeat(${m.H}, 1fr)`;
-      ui.grid.append(el("span", {}, ""));
-      for (let h = 0; h < m.H; h++) ui.grid.append(el("span", { class: "charlm-axis" }, `head ${h}`));
+    // A layer x head grid in `box`, its axes labelled; `cell(layer, head)` makes each cell.
+    function headGrid(box, cell) {
+      const m = state.model;
+      box.replaceChildren();
+      box.style.gridTemplateColumns = `auto repeat(${m.H}, 1fr)`;
+      box.append(el("span", {}, ""));
+      for (let h = 0; h < m.H; h++) box.append(el("span", { class: "charlm-axis" }, `head ${h}`));
       for (let layer = 0; layer < m.layers; layer++) {
-        ui.grid.append(el("span", { class: "charlm-axis" }, `layer ${layer}`));
-        for (let h = 0; h < m.H; h++) {
+        box.append(el("span", { class: "charlm-axis" }, `layer ${layer}`));
+        for (let h = 0; h < m.H; h++) box.append(cell(layer, h));
+      }
+    }
+
+    function drawGrid() {
+      const run = state.run;
+      headGrid(ui.grid, (layer, h) => {
           const button = el("button", { type: "button", class: "charlm-map",
             "aria-label": `layer ${layer}, head ${h}`, "aria-pressed": String(layer === state.layer && h === state.head) });
           const canvas = el("canvas", { width: "1", height: "1" });
@@ -691,8 +705,7 @@
             const box = ui.focus.getBoundingClientRect();
             if (box.top < 0 || box.bottom > window.innerHeight) ui.focusTitle.scrollIntoView({ block: "start" });
           });
-          ui.grid.append(button);
-          if (!run) continue;
+          if (!run) return button;
           const L = run.ids.length, W = run.weights[layer][h];
           canvas.width = L;
           canvas.height = L;
@@ -703,20 +716,14 @@
               ctx.fillRect(j, i, 1, 1);
             }
           }
-        }
-      }
+          return button;
+      });
     }
 
     // The on/off switch of every head, and the loss on the text with the heads as they are.
     function drawSwitches() {
       const m = state.model;
-      ui.switches.replaceChildren();
-      ui.switches.style.gridTemplateColumns = `auto repeat(${m.H}, 1fr)`;
-      ui.switches.append(el("span", {}, ""));
-      for (let h = 0; h < m.H; h++) ui.switches.append(el("span", { class: "charlm-axis" }, `head ${h}`));
-      for (let layer = 0; layer < m.layers; layer++) {
-        ui.switches.append(el("span", { class: "charlm-axis" }, `layer ${layer}`));
-        for (let h = 0; h < m.H; h++) {
+      headGrid(ui.switches, (layer, h) => {
           const isOff = state.off.some(([a, b]) => a === layer && b === h);
           const button = el("button", { type: "button", class: "charlm-switch", "aria-pressed": String(isOff),
             "aria-label": `switch head ${h} of layer ${layer} off` }, isOff ? "off" : "on");
@@ -725,9 +732,8 @@
             refresh();
             ui.switches.querySelector(`[aria-label="switch head ${h} of layer ${layer} off"]`)?.focus();
           });
-          ui.switches.append(button);
-        }
-      }
+          return button;
+      });
       ui.allOn.disabled = !state.off.length;
       const run = state.run;
       if (!run || run.ids.length < 2) {

@@ -497,6 +497,18 @@ def test_heads_switched_off_in_javascript_equal_lm_ablate(page, site_url: str, m
             assert abs(loss - expected_loss) < 1e-4, (text, off, loss, expected_loss)
     # switching heads off changes what the model predicts
     assert got[1][0] != got[0][0] and got[3][1] != got[0][1]
+    # a head that does not exist is named, never ignored
+    refused = page.evaluate(
+        """async (url) => {
+            const m = await window.attentionRefCharLM.load(url);
+            return [[4, 0], [0, 4], [-1, 0], [0.5, 1], 3].map((pair) => {
+                try { m.run(m.encode("To be").ids, null, null, [pair]); return "ran"; }
+                catch (error) { return error.message; }
+            });
+        }""",
+        site_url + MANIFEST,
+    )
+    assert all(r.startswith("off: no head ") and "in 4 layers x 4 heads" in r for r in refused), refused
 
 
 def test_the_widget_switches_heads_off_and_says_what_it_costs(page, site_url: str, model):
