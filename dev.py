@@ -5,7 +5,7 @@
     python3 dev.py check    run every check: pytest (unit tests, doctests, every executed
                             docs block, the built-site and browser tests) and the strict build
     python3 dev.py check --newest
-                            the same, and the package's own tests again with the newest
+                            the same, then the package's own tests again with the newest
                             torch and transformers the registries serve (what CI runs)
 
 Set-up (idempotent, skipped when nothing changed): a virtual environment in .venv, the
@@ -204,25 +204,18 @@ class Background:
         finally:
             self.seconds = time.perf_counter() - self.start
 
-    def wait(self):
-        """Wait for it and return its value (re-raising what it raised), printing nothing: another
-        thread may wait on it, and `result` prints its output later, in the main thread."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
-
     def result(self):
-        """Wait for it, print its output (once), and return its value (re-raising what it raised)."""
+        """Wait for it, print its output, and return its value (re-raising what it raised)."""
         waited = time.perf_counter()
         self.thread.join()
         waited = self.waited = time.perf_counter() - waited
-        if not self.log.closed:
-            self.log.seek(0)
-            print(self.log.read(), end="", flush=True)
-            self.log.close()
-            say(f"{self.name}: started in the background, waited {waited:.1f} s for it here")
-        return self.wait()
+        self.log.seek(0)
+        print(self.log.read(), end="", flush=True)
+        self.log.close()
+        say(f"{self.name}: started in the background, waited {waited:.1f} s for it here")
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def installed_versions(python: Path) -> str:
@@ -408,34 +401,20 @@ def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
 UPSTREAM_MARKER = "upstream"
 
 
-#: The niceness of the newest tier when the full check runs it in the background, beside the pinned
-#: tests, the build and the site tests: it takes the cores those leave idle (the browser waiting for a
-#: page, a pytest worker with no file left) and yields them back, so that it ends last, alone. Not 19:
-#: a process group of 4 ranks (`attention_ref.distributed.spawn`, 120 s for the whole run) must still
-#: get a few percent of a core beside four busy processes.
-NEWEST_NICE = 5
-
-
-def check_newest(args: argparse.Namespace, extra: list[str], set_up: Background | None = None,
-                 log: IO[str] | None = None, nice: int = 0) -> list[tuple[str, bool | None, float, str]]:
+def check_newest(args: argparse.Namespace, extra: list[str],
+                 set_up: Background | None = None) -> list[tuple[str, bool | None, float, str]]:
     """The package's tests that exercise other libraries (`UPSTREAM_MARKER`; not the pages, not the site)
     in ``.venv-newest``: the summary's rows for its set-up and its tests. ``set_up``: the set-up already
-    started in the background (`Background`), else it runs here. ``log``: where its output goes (it runs
-    in the background itself; the caller prints the set-up's output, then this). ``nice``: `run_pytest`'s."""
-    note = say if log is None else (lambda text: (log.write(f"[dev] {text}\n"), log.flush()))
-    note(f"newest releases: the tests marked {UPSTREAM_MARKER!r} again, with the newest torch and transformers"
-         + (f", at nice {nice}" if nice else ""))
+    started in the background (`Background`), else it runs here."""
+    say(f"newest releases: the tests marked {UPSTREAM_MARKER!r} again, with the newest torch and transformers")
     try:
-        if set_up is None:
-            seconds = setup_newest(log)
-        else:
-            seconds = set_up.result() if log is None else set_up.wait()
+        seconds = set_up.result() if set_up is not None else setup_newest()
     except subprocess.CalledProcessError as error:
-        note(f"FAILED (exit {error.returncode}): {' '.join(map(str, error.cmd))}")
+        say(f"FAILED (exit {error.returncode}): {' '.join(map(str, error.cmd))}")
         return [("newest set-up", False, 0.0, "FAILED: see pip's output above"),
                 ("newest tests", False, 0.0, "not run: the set-up failed")]
     versions = installed_versions(PYTHON_NEWEST)
-    note(f"newest releases: {versions}")
+    say(f"newest releases: {versions}")
     where = ""
     if set_up is not None:  # the row shows what it added to the check: the wait for it
         where, seconds = f"; {seconds:.0f} s in the background, beside the set-up and the build", set_up.waited
@@ -444,12 +423,11 @@ def check_newest(args: argparse.Namespace, extra: list[str], set_up: Background 
     with tempfile.TemporaryDirectory(prefix="attention-ref-newest-") as tmp:
         junit = Path(tmp) / "junit.xml"
         returncode, detail = run_pytest(args, extra, env, [*QUICK_IGNORES, "-m", UPSTREAM_MARKER], junit,
-                                        PYTHON_NEWEST, log=log, nice=nice)
+                                        PYTHON_NEWEST)
         TIMINGS["newest tests"] = file_seconds(junit)
     return [("newest set-up", True, seconds, f"{VENV_NEWEST.name}: {versions}{where}"),
             ("newest tests", returncode == 0, time.perf_counter() - start,
-             f"{detail}; marked {UPSTREAM_MARKER!r}, the pages and the site not run here"
-             + (f"; began when its set-up ended, beside the rest, at nice {nice}" if nice else ""))]
+             f"{detail}; marked {UPSTREAM_MARKER!r}, the pages and the site not run here")]
 
 
 #: Seconds per test file of each pytest run of this check (from its JUnit XML), and per page of the
@@ -522,13 +500,10 @@ def print_summary(title: str, results: list[tuple[str, bool | None, float, str]]
 
 
 def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], which: list[str],
-               junit: Path, python: Path = PYTHON, log: IO[str] | None = None, nice: int = 0) -> tuple[int, str]:
+               junit: Path, python: Path = PYTHON, log: IO[str] | None = None) -> tuple[int, str]:
     """Run pytest on ``which`` (arguments naming the tests) and the caller's ``extra`` with ``python``
-    (``.venv``'s unless told): its exit status and counts. Its output goes to ``log`` when given.
-    ``nice``: a niceness for it and its workers (`NEWEST_NICE`), where the system has ``nice``."""
+    (``.venv``'s unless told): its exit status and counts. Its output goes to ``log`` when given."""
     cmd = [str(python), "-m", "pytest", f"--junitxml={junit}", *parallel(args, extra), *which, *extra]
-    if nice and shutil.which("nice"):
-        cmd = ["nice", "-n", str(nice), *cmd]
     if log is None:
         say("$ " + " ".join(cmd))
     else:
@@ -591,13 +566,6 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
     finally:
         ours_done.set()
     results.append(("set-up", True, set_up, f"{VENV.name}, pinned: {installed_versions(PYTHON)}; KaTeX assets"))
-    # With no pytest arguments of the caller's and pytest-xdist on, the build runs beside the tests
-    # that need no site (a build keeps about one core busy), and the site tests follow it; the newest
-    # tier starts as soon as its set-up ends, at a lower priority (`NEWEST_NICE`), and ends last.
-    overlap = not extra and bool(parallel(args, extra))
-    newest_tests = None
-    if newest is not None and overlap:
-        newest_tests = Background("newest tests", lambda log: check_newest(args, extra, newest, log, NEWEST_NICE))
 
     require_browser = os.environ.get("ATTENTION_REF_REQUIRE_BROWSER") == "1"
     if not CHROMIUM.exists():
@@ -616,6 +584,9 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         env.setdefault("ATTENTION_REF_SITE_URL", f"http://127.0.0.1:{free_port()}/")
         record = Path(tmp) / "build-record.json"
         build_cmd = [str(BIN / "mkdocs"), "build", "--strict", "-d", str(site)]
+        # With no pytest arguments of the caller's and pytest-xdist on, the build runs beside the tests
+        # that need no site (a build keeps about one core busy), and the site tests follow it.
+        overlap = not extra and bool(parallel(args, extra))
         say(f"strict build of the docs site for {env['ATTENTION_REF_SITE_URL']} into {site}"
             + (" (beside the tests that need no site; its log follows when it ends)" if overlap else ""))
         start = time.perf_counter()
@@ -667,6 +638,9 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         if overlap:
             results += results_tests
             if site_tests:
+                # the newest tier's tests run beside the site tests too, then the site tests' output follows
+                if args.newest:
+                    results += check_newest(args, extra, newest)
                 (returncode, detail), TIMINGS["site tests"] = site_tests[0].result()
                 results.append(("site tests", returncode == 0, site_tests[0].seconds,
                                 f"{detail}; began when the build ended, beside the other tests"))
@@ -683,10 +657,6 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         if not build_ok:
             results.append(("site tests", False, 0.0, "not run: the strict build failed"))
 
-    if newest_tests is not None:  # its set-up's output first (a failure is its row's), then its tests'
-        with contextlib.suppress(subprocess.CalledProcessError):
-            newest.result()
-        results += newest_tests.result()
     if args.newest and not any(name == "newest tests" for name, *_ in results):
         results += check_newest(args, extra, newest)
     if not CHROMIUM.exists() and not require_browser:

@@ -82,11 +82,11 @@ def test_every_process_of_the_check_writes_the_bytecode_of_what_it_imports(tmp_p
 
 
 def test_the_newest_tier_runs_the_packages_own_tests_with_the_newest_python(dev, monkeypatch):
-    monkeypatch.setattr(dev, "setup_newest", lambda log=None: 12.0)
+    monkeypatch.setattr(dev, "setup_newest", lambda: 12.0)
     monkeypatch.setattr(dev, "installed_versions", lambda python: f"torch 9.9 ({python.name})")
     runs = []
 
-    def run_pytest(args, extra, env, which, junit, python=dev.PYTHON, log=None, nice=0):
+    def run_pytest(args, extra, env, which, junit, python=dev.PYTHON):
         runs.append((which, python, env))
         return 1, "3 passed, 1 failed"
 
@@ -101,51 +101,8 @@ def test_the_newest_tier_runs_the_packages_own_tests_with_the_newest_python(dev,
     assert "torch 9.9" in rows[0][3]  # the summary names the newest versions
 
 
-def test_the_full_check_runs_the_newest_tier_beside_the_pinned_tests_at_a_lower_priority(dev, monkeypatch, capsys):
-    """The newest tier starts when its set-up ends, not when the pinned tests end: the pinned run
-    below waits for it to start (and would fail after 10 s), and it runs niced."""
-    import threading
-
-    started = threading.Event()
-    runs = []
-
-    def run_pytest(args, extra, env, which, junit, python=dev.PYTHON, log=None, nice=0):
-        runs.append((python, nice, "-m" in which))
-        if python == dev.PYTHON_NEWEST:
-            started.set()
-        elif "--ignore=tests/docs/pages.txt" in which:  # the pinned tests beside the build
-            assert started.wait(10), "the newest tier had not started while the pinned tests ran"
-        return 0, "1 passed"
-
-    class Build:
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(dev, "setup", lambda: 1.0)
-    monkeypatch.setattr(dev, "prefetch_newest", lambda log: None)
-    monkeypatch.setattr(dev, "setup_newest", lambda log=None: 2.0)
-    monkeypatch.setattr(dev, "installed_versions", lambda python: f"torch 9.9 ({python.name})")
-    monkeypatch.setattr(dev, "run_pytest", run_pytest)
-    monkeypatch.setattr(dev.subprocess, "Popen", lambda *a, **k: Build())
-    monkeypatch.setattr(dev, "cores", lambda: 2)
-    assert dev.check(args(newest=True), []) == 0
-    out = capsys.readouterr().out
-    assert (dev.PYTHON_NEWEST, dev.NEWEST_NICE, True) in runs and dev.NEWEST_NICE > 0
-    assert [nice for python, nice, _ in runs if python == dev.PYTHON] == [0, 0]  # pinned tests, site tests
-    assert "began when its set-up ended, beside the rest, at nice 5" in out
-
-
-def test_a_niced_pytest_run_starts_under_nice(dev, monkeypatch, tmp_path):
-    commands = []
-    monkeypatch.setattr(dev.subprocess, "run", lambda cmd, **kwargs: commands.append(cmd) or dev.subprocess.CompletedProcess(cmd, 0))
-    for nice in (0, dev.NEWEST_NICE):
-        dev.run_pytest(args(), [], {}, ["-m", "upstream"], tmp_path / "junit.xml", nice=nice)
-    plain, niced = commands
-    assert plain[1:3] == ["-m", "pytest"] and niced == ["nice", "-n", str(dev.NEWEST_NICE), *plain]
-
-
 def test_a_failed_newest_set_up_fails_the_check_and_runs_no_tests(dev, monkeypatch):
-    def fail(log=None):
+    def fail():
         raise dev.subprocess.CalledProcessError(1, ["pip", "install"])
 
     monkeypatch.setattr(dev, "setup_newest", fail)
