@@ -953,6 +953,30 @@ def browser_export(model: CharLM, tokenizer: CharTokenizer) -> tuple[dict, bytes
     return manifest, b"".join(chunks)
 
 
+#: How far the widget's window jumps once a text outgrows the model's context (`widget_window_start`).
+WIDGET_HOP = 64
+
+
+def widget_window_start(length: int, context: int = 128, hop: int = WIDGET_HOP) -> int:
+    """Where the page's widget starts reading a text of ``length`` characters (docs/javascripts/char-lm.js
+    computes the same): 0 while the text fits the model's ``context``; past it, the window jumps ahead
+    ``hop`` characters at a time, so the model reads between ``context - hop + 1`` and ``context`` of the
+    last characters. Between jumps, one character more reuses the keys and values computed for the
+    others (a KV cache); a window sliding by one character could not reuse them: a deeper layer's key
+    depends on every character before it in the window, and the window's first character changed.
+
+    Examples:
+        >>> [widget_window_start(n) for n in (0, 128, 129, 192, 193)]
+        [0, 0, 64, 64, 128]
+    """
+    for name, value in (("length", length), ("context", context), ("hop", hop)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "length" else 1):
+            raise ValueError(f"{name} must be an int >= {0 if name == 'length' else 1}, got {value!r}")
+    if hop > context:
+        raise ValueError(f"hop must be at most context ({context}), got {hop}")
+    return 0 if length <= context else -(-(length - context) // hop) * hop
+
+
 def widget_html(src: str, *, prompt: str = "", temperature: float = 0.8, top_k: int = 10,
                 layer: int = 0, head: int = 0) -> str:
     """The HTML of the in-browser model: ``docs/javascripts/char-lm.js`` fills it in.

@@ -530,3 +530,15 @@ def test_train_and_evaluate_name_bad_arguments():
     assert lm.warmup_cosine(0, 1.0, 0.1, 10, 100) == pytest.approx(0.1)
     assert lm.warmup_cosine(100, 1.0, 0.1, 10, 100) == pytest.approx(0.1)
     assert lm.warmup_cosine(55, 1.0, 0.1, 10, 100) == pytest.approx(0.55)
+
+
+def test_the_widgets_window_jumps_and_always_reads_between_65_and_128_characters():
+    for n in range(1000):
+        start = lm.widget_window_start(n)
+        assert start % 64 == 0 and (start == 0 if n <= 128 else 65 <= n - start <= 128), n
+        assert start >= lm.widget_window_start(max(n - 1, 0))  # it never moves back
+    assert lm.widget_window_start(300, context=100, hop=100) == 200
+    with pytest.raises(ValueError, match="hop must be at most context \\(128\\), got 129"):
+        lm.widget_window_start(200, hop=129)
+    with pytest.raises(ValueError, match="length must be an int >= 0, got -1"):
+        lm.widget_window_start(-1)

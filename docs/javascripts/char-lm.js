@@ -297,6 +297,16 @@
 
   // Probabilities of the next character from the last row of logits: softmax(logits / T) over
   // the top_k largest (T = 0: all on the largest), as attention_ref.lm.generate samples.
+  // Where the widget starts reading a text of `length` characters (attention_ref.lm.widget_window_start):
+  // 0 while it fits the context; past it, the window jumps ahead WINDOW_HOP characters at a time, so it
+  // reads between context - WINDOW_HOP + 1 and context characters, and between jumps one character more
+  // reuses the keys and values of the others. A window sliding by one could not: a deeper layer's key
+  // depends on every character before it in the window.
+  const WINDOW_HOP = 64;
+  function windowStart(length, context, hop = WINDOW_HOP) {
+    return length <= context ? 0 : Math.ceil((length - context) / hop) * hop;
+  }
+
   function nextProbabilities(logits, V, temperature, topK) {
     const last = Array.from(logits.subarray(logits.length - V));
     const order = last.map((_, i) => i).sort((a, b) => last[b] - last[a]);
@@ -632,16 +642,18 @@
       return { temperature: t, topK: k, note: "" };
     }
 
-    // Run the model on the text (its last `context` characters that are in the vocabulary).
+    // Run the model on the text (the characters that are in the vocabulary), from `windowStart`: a run
+    // whose ids are a prefix of these lends its keys and values (`run` checks), so after a jump of the
+    // window everything is computed again, and between jumps only the new characters are.
     function compute() {
       const m = state.model;
       const { ids, unknown } = m.encode(ui.input.value);
-      const kept = ids.length > m.context ? ids.slice(ids.length - m.context) : ids;
-      state.window = ids.length - kept.length;
-      const cropped = state.window > 0;
-      state.run = kept.length ? m.run(kept, cropped ? null : state.run, null, state.off) : null;
+      state.window = windowStart(ids.length, m.context);
+      const kept = ids.slice(state.window);
+      root.dataset.windowStart = String(state.window);
+      state.run = kept.length ? m.run(kept, state.run, null, state.off) : null;
       // with heads off, the same text with every head on, for comparison
-      state.base = kept.length && state.off.length ? m.run(kept, cropped ? null : state.base) : state.run;
+      state.base = kept.length && state.off.length ? m.run(kept, state.base) : state.run;
       const notes = [];
       if (unknown.length) {
         const shown = unknown.slice(0, 5).map(([i, ch]) => `“${ch}” (at ${i})`).join(", ");
@@ -649,7 +661,11 @@
           `vocabulary and left out: ${shown}${unknown.length > 5 ? " …" : ""}.`);
       }
       if (!kept.length) notes.push("Type some text above: the model predicts the character that comes next.");
-      else if (cropped) notes.push(`The model reads the last ${m.context} characters (it was trained on windows that long).`);
+      else if (state.window > 0) {
+        notes.push(`The model reads the last ${kept.length} characters: it was trained on windows of ` +
+          `${m.context}, and past ${m.context} its window jumps ahead ${WINDOW_HOP} characters at a time, ` +
+          `so that what it computed for the characters it keeps stays valid.`);
+      }
       const { note, invalid } = settings();
       if (note) notes.push(note);
       ui.status.textContent = notes.join(" ") || `${kept.length} characters read.`;
@@ -871,7 +887,7 @@
     document.querySelectorAll(".charlm[data-src]").forEach(setup);
   }
 
-  window.attentionRefCharLM = { load, nextProbabilities, CharModel };
+  window.attentionRefCharLM = { load, nextProbabilities, CharModel, windowStart };
   if (window.document$ && typeof window.document$.subscribe === "function") window.document$.subscribe(init);
   else if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
   else init();

@@ -325,19 +325,47 @@ def test_a_tapped_head_on_a_phone_shows_the_text_it_shades(page, site_url: str):
     assert widget.locator(".charlm-focus-title").text_content().startswith("Layer 3, head 3")
 
 
+def test_past_the_context_the_window_jumps_as_lm_says_and_reads_what_torch_reads(page, site_url: str, model):
+    """Past 128 characters the widget reads from `lm.widget_window_start`: its window jumps 64 at a time,
+    and what it shows is the model's reading of exactly those characters, typed one by one across a jump
+    (each reusing the keys and values of the run before it) or pasted at once."""
+    net, tok, _ = model
+    widget = open_widget(page, site_url)
+    starts = page.evaluate("n => Array.from({length: n}, (_, i) => window.attentionRefCharLM.windowStart(i, 128))",
+                           600)
+    assert starts == [lm.widget_window_start(n) for n in range(600)]
+    text = ("O Romeo, Romeo! wherefore art thou Romeo? Deny thy father and refuse thy name; " * 3)[:200]
+    box = widget.locator("textarea")
+    box.fill(text[:188])
+    box.type(text[188:])  # across the jump at 193: the window starts at 64, then at 128
+    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 72", arg=WIDGET)
+    start = lm.widget_window_start(len(text))
+    assert start == 128 and widget.get_attribute("data-window-start") == "128"
+    assert "reads the last 72 characters" in widget.locator(".charlm-status").text_content()
+    widget.get_by_role("button", name="layer 1, head 2").click()
+    shown = [float(w) for w in widget.locator(".charlm-token").evaluate_all("s => s.map(x => x.dataset.weight)")]
+    ids = tok.encode(text[start:])[None]
+    with torch.no_grad():
+        _, weights = net(ids, return_weights=True)
+    expected = weights[1][0, 2, -1].tolist()  # the last character's weights in layer 1, head 2
+    assert max(abs(a - b) for a, b in zip(shown, expected, strict=True)) < 1e-4
+    assert not page.console_errors
+
+
 @pytest.mark.parametrize("width", [390, 1280])
 def test_the_chosen_heads_map_is_readable_at_any_length_and_gives_each_weight(page, site_url: str, model, width):
     net, tok, _ = model
     page.set_viewport_size({"width": width, "height": 900})
     widget = open_widget(page, site_url)
-    text = "ROMEO.\nBut soft, what light through yonder window breaks? " * 3  # 168 characters: the last 128 read
+    # 192 characters: the window starts at 64 (lm.widget_window_start) and reads the last 128
+    text = ("ROMEO.\nBut soft, what light through yonder window breaks? " * 4)[:192]
     widget.locator("textarea").fill(text)
     page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 128", arg=WIDGET)
     widget.get_by_role("button", name="layer 1, head 2").click()
     zoom = widget.locator("canvas.charlm-zoom")
     box = zoom.bounding_box()
     assert box["width"] >= 300 and abs(box["width"] - box["height"]) <= 1, box  # 2 px or more per cell at 128
-    ids = tok.encode(text[-128:])[None]
+    ids = tok.encode(text[64:])[None]
     with torch.no_grad():
         _, weights = net(ids, return_weights=True)
     for i, j in ((127, 126), (90, 3), (64, 64), (10, 50)):
@@ -444,8 +472,8 @@ def test_step_panel_opens_by_keyboard_shows_the_trace_and_fits_a_phone(page, sit
                            " === 'layer 1, head 0'")
     assert "block_input" in _stage_norms(widget)  # past layer 0, the residual stream is its own stage
     shown_equals_python(16, 1, 0)
-    # a whole window of text, every stage open: still no sideways scroll
-    widget.locator("textarea").fill("ROMEO.\nBut soft, what light through yonder window breaks? " * 3)
+    # a whole window of text (192 characters: the last 128 read), every stage open: still no sideways scroll
+    widget.locator("textarea").fill(("ROMEO.\nBut soft, what light through yonder window breaks? " * 4)[:192])
     widget.get_by_label("Position of the character traced").press("End")
     page.wait_for_function("() => document.querySelector('.charlm-step').dataset.position === '127'")
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
