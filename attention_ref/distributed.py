@@ -76,7 +76,7 @@ import torch.multiprocessing as mp
 from attention_ref import _inputs
 from attention_ref import mods as _mods
 from attention_ref._validation import check_cu_seqlens, fmt_shape
-from attention_ref.functional import _masked_scores, merge_attention, scaled_dot_product_attention
+from attention_ref.functional import masked_scores, merge_attention, scaled_dot_product_attention
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
 from attention_ref._inputs import batch_shape
 from attention_ref.block_mask import BlockMask, band_of, check_block_mask, mod_sizes
@@ -943,7 +943,7 @@ class _RingAttention(torch.autograd.Function):
             q_b, k_b, v_b, do_b = q[..., q_rows, :], k_c[..., kv_rows, :], v_c[..., kv_rows, :], d_o[..., q_rows, :]
             # FlashAttention-2's backward of one block, with the saved lse of the whole row:
             # P = exp(S - lse), the block's exact softmax weights: (..., H, chunk, chunk')
-            p = torch.exp(_masked_scores(q_b, k_b, keep, False, scale) - lse[..., q_rows, None])
+            p = torch.exp(masked_scores(q_b, k_b, keep, False, scale) - lse[..., q_rows, None])
             # dV_j += P^T dO_i: (..., H, chunk', chunk) @ (..., H, chunk, Ev) -> (..., H, chunk', Ev)
             dv[..., kv_rows, :] += _reduce_like(p.transpose(-2, -1) @ do_b, dv[..., kv_rows, :], group_size)
             # dP = dO_i V_j^T: (..., H, chunk, Ev) @ (..., H, Ev, chunk') -> (..., H, chunk, chunk')

@@ -53,7 +53,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _masked_scores(
+def masked_scores(
     query: torch.Tensor,
     key: torch.Tensor,
     attn_mask: torch.Tensor | None,
@@ -66,6 +66,9 @@ def _masked_scores(
 
     The steps in the order of the module docstring: scale, ``score_mod``, float
     mask added, boolean conditions (``attn_mask``, ``is_causal``, ``mask_mod``).
+    Shared by the paths that compute a block's scores themselves (the ring backward of
+    `attention_ref.distributed`), so that every path masks alike; it checks only the
+    scores' size and finiteness: its callers have checked the arguments (not in ``__all__``).
     """
     compute = _compute_dtype(query.dtype)
     shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), query.shape[-2], key.shape[-2])
@@ -237,7 +240,7 @@ def attention_weights(
     if block_mask is not None:  # made for these sizes; materialised below like a mask_mod
         batch = tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]))
         check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
-    scores = _masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
+    scores = masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
     sinks = _checked_sinks(sinks, scores.shape[:-2], query)
     return _safe_softmax(scores, sinks).to(query.dtype)
 
@@ -389,7 +392,7 @@ def scaled_dot_product_attention(
         return _backends._run(chosen, call, resolved)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
-    scores = _masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
+    scores = masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)
     weights = _safe_softmax(scores, sinks)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
