@@ -1,4 +1,4 @@
-"""Tests of attention_ref.block_diagram: valid SVG, sizes read from the module and input, errors."""
+"""Tests of attention_ref.diagrams.transformer_block, the Transformer block diagram: valid SVG, sizes read from the module and input, errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention_ref import MultiHeadAttention
-from attention_ref.block_diagram import transformer_block
+from attention_ref.diagrams import transformer_block
 
 SVG = "{http://www.w3.org/2000/svg}"
 
