@@ -16,25 +16,45 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "attention_ref"
 
 
+def _module_name(path: Path) -> str:
+    """A file's node in the graph: ``functional`` for ``functional.py``, ``distributed.ring`` for a module of a
+    subpackage, ``distributed`` for its ``__init__.py`` (the package's own ``__init__.py`` stays ``__init__``)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
 def _imports() -> dict[str, set[str]]:
+    """Every module of the package, the subpackages' (``distributed/``, ``conformance/``) included, and the
+    modules of the package it imports, each by its `_module_name`."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+
+    def resolve(dotted: str) -> set[str]:
+        """``attention_ref.a.b.c`` -> the longest ``a.b...`` that is a module of the package."""
+        parts = dotted.split(".")[1:]
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in modules:
+                return {".".join(parts[:end])}
+        return set()
+
     graph: dict[str, set[str]] = {}
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    for path in PACKAGE.glob("*.py"):
+    for path in paths:
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attention_ref"):
-                if node.module == "attention_ref":
-                    found.update(a.name for a in node.names if a.name in modules)
-                else:
-                    found.add(node.module.split(".")[1])
+                if node.module != "attention_ref":
+                    found |= resolve(node.module)
+                # from attention_ref[.sub] import module
+                found |= {m for a in node.names if (m := f"{node.module}.{a.name}".split(".", 1)[1]) in modules}
             elif isinstance(node, ast.Import):
-                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("attention_ref."))
+                for a in node.names:
+                    found |= resolve(a.name) if a.name.startswith("attention_ref.") else set()
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
                 arg = node.args[0]
                 if isinstance(arg, ast.Constant) and str(arg.value).startswith("attention_ref."):
-                    found.add(str(arg.value).split(".")[1])
-        found.discard(path.stem)
-        graph[path.stem] = found
+                    found |= resolve(str(arg.value))
+        found.discard(_module_name(path))
+        graph[_module_name(path)] = found
     return graph
 
 
@@ -63,6 +83,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_circle():
     graph = _imports()
     assert "functional" in graph["testing"] and "_inputs" in graph["tiled"]  # the reader sees them
+    assert "distributed.layouts" in graph["distributed.ring"]  # and the subpackages' modules
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -91,7 +112,19 @@ def test_the_cycle_finder_finds_one():
     ],
 )
 def test_layers(module, never):
-    assert not _imports()[module] & never
+    """A rule for a subpackage holds for each of its modules, and a module it names forbids its modules too."""
+    graph = _imports()
+    checked = [name for name in graph if name == module or name.startswith(module + ".")]
+    assert checked, f"no module {module!r} in the package"
+    for name in checked:
+        bad = {m for m in graph[name] if any(m == n or m.startswith(n + ".") for n in never)}
+        assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_launcher_runs_no_attention_code():
+    """`attention_ref.distributed.launch` (`spawn`) runs any importable function in local processes: it imports
+    no module of the package, so an edit of the attention code never changes how processes start."""
+    assert _imports()["distributed.launch"] == set()
 
 
 def test_the_newest_tier_marker_names_real_files_and_marks_the_rest(request):
@@ -117,8 +150,17 @@ def test_the_newest_tier_marker_names_real_files_and_marks_the_rest(request):
 
 def test_the_readme_map_names_every_module():
     """A newcomer finds where a change belongs from the README's layout: every module of the package
-    has its line there (issue 48: five were missing)."""
+    has its line there (issue 48: five were missing), and so has every file of ``distributed/``, under it."""
     readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
-    listed = {line.split()[0] for line in readme.splitlines() if line.startswith("  ") and line.split()}
+    lines = readme.splitlines()
+    listed = {line.split()[0] for line in lines if line.startswith("  ") and line.split()}
     missing = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py" and p.name not in listed)
     assert not missing, f"README.md's layout lists no line for {missing}"
+    start = lines.index(next(line for line in lines if line.startswith("  distributed/ ")))
+    under = set()
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):  # the next entry of the package: distributed/'s block has ended
+            break
+        under.add(line.split()[0])
+    missing = sorted(p.name for p in (PACKAGE / "distributed").glob("*.py") if p.name not in under)
+    assert not missing, f"README.md's layout lists no line under distributed/ for {missing}"
