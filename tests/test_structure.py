@@ -24,8 +24,8 @@ def _module_name(path: Path) -> str:
 
 
 def _imports() -> dict[str, set[str]]:
-    """Every module of the package, the subpackages' (``distributed/``, ``conformance/``) included, and the
-    modules of the package it imports, each by its `_module_name`."""
+    """Every module of the package, the subpackages' (``distributed/``, ``testing/``, ``conformance/``) included,
+    and the modules of the package it imports, each by its `_module_name`."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {_module_name(p) for p in paths}
 
@@ -82,7 +82,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_circle():
     graph = _imports()
-    assert "functional" in graph["testing"] and "_inputs" in graph["tiled"]  # the reader sees them
+    assert "functional" in graph["testing.attention"] and "_inputs" in graph["tiled"]  # the reader sees them
     assert "distributed.layouts" in graph["distributed.ring"]  # and the subpackages' modules
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
@@ -150,17 +150,19 @@ def test_the_newest_tier_marker_names_real_files_and_marks_the_rest(request):
 
 def test_the_readme_map_names_every_module():
     """A newcomer finds where a change belongs from the README's layout: every module of the package
-    has its line there (issue 48: five were missing), and so has every file of ``distributed/``, under it."""
+    has its line there (issue 48: five were missing), and so has every file of ``distributed/`` and
+    ``testing/``, under it."""
     readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
     lines = readme.splitlines()
     listed = {line.split()[0] for line in lines if line.startswith("  ") and line.split()}
     missing = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py" and p.name not in listed)
     assert not missing, f"README.md's layout lists no line for {missing}"
-    start = lines.index(next(line for line in lines if line.startswith("  distributed/ ")))
-    under = set()
-    for line in lines[start + 1:]:
-        if not line.startswith("    "):  # the next entry of the package: distributed/'s block has ended
-            break
-        under.add(line.split()[0])
-    missing = sorted(p.name for p in (PACKAGE / "distributed").glob("*.py") if p.name not in under)
-    assert not missing, f"README.md's layout lists no line under distributed/ for {missing}"
+    for package in ("distributed", "testing"):
+        start = lines.index(next(line for line in lines if line.startswith(f"  {package}/ ")))
+        under = set()
+        for line in lines[start + 1:]:
+            if not line.startswith("    "):  # the next entry of the package: this subpackage's block has ended
+                break
+            under.add(line.split()[0])
+        missing = sorted(p.name for p in (PACKAGE / package).glob("*.py") if p.name not in under)
+        assert not missing, f"README.md's layout lists no line under {package}/ for {missing}"

@@ -21,6 +21,7 @@ from attention_ref import testing
 from attention_ref.conformance.adapter import Adapter, KnownFailure, ReproError, Unsupported, load_adapter
 from attention_ref.conformance.cases import Case, Inputs, matrix, to_layout
 from attention_ref.conformance.report import CaseResult, Report
+from attention_ref.testing.arguments import ATTENTION_KWARGS
 
 __all__ = ["check", "expected_failure", "judge_skip_reason", "run", "versions"]
 
@@ -31,7 +32,7 @@ def _checker_takes(name: str) -> bool:
     if name in parameters:
         return True
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return takes_kwargs and name in getattr(testing, "_ATTENTION_KWARGS", ())
+    return takes_kwargs and name in ATTENTION_KWARGS
 
 
 def judge_skip_reason(case: Case) -> str | None:
