@@ -20,7 +20,8 @@ key/value head (`kv_bytes_per_token`), a layer of multi-head latent attention on
 compressed latent and one shared RoPE key (`latent_kv_bytes_per_token`), a layer with a
 sliding window or a chunk at most that many tokens (`cached_tokens`), and a linear-attention
 layer a fixed state instead (`linear_state_bytes`); `kv_cache_bytes` adds the layers of a
-model up for one sequence.
+model up for one sequence. An FP8 cache stores one byte per element
+(``bytes_per_element=1``) and a few float32 scales per layer (`kv_scale_bytes`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "causal_pairs",
     "kv_bytes_per_token",
     "kv_cache_bytes",
+    "kv_scale_bytes",
     "latent_kv_bytes_per_token",
     "layer_flops",
     "linear_state_bytes",
@@ -210,7 +212,7 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int | None 
     which is ``2 Hkv E`` elements when ``Ev = E``. Multi-head attention has ``Hkv = H``,
     grouped-query attention fewer, multi-query attention 1; the number of query heads does
     not enter. ``bytes_per_element`` is 2 for bfloat16 and float16 (the default), 4 for
-    float32, 1 for an 8-bit cache (its scales not counted).
+    float32, 1 for an FP8 cache, whose scales, a fixed few per layer, `kv_scale_bytes` counts.
 
     Examples:
         >>> kv_bytes_per_token(8, 128)  # Llama-3-8B: 8 key/value heads of 128, bfloat16
@@ -222,6 +224,32 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int | None 
     check_positive_int("v_head_dim", v_head_dim)
     check_positive_int("bytes_per_element", bytes_per_element)
     return num_kv_heads * (head_dim + v_head_dim) * bytes_per_element
+
+
+def kv_scale_bytes(num_kv_heads: int, granularity: str = "tensor", *, bytes_per_scale: int = 4) -> int:
+    r"""Bytes of the scales of one layer's FP8 KV cache: a fixed cost, whatever the number of tokens.
+
+    vLLM's FP8 cache (``kv_cache_dtype="fp8"``) keeps one ``k_scale`` and one ``v_scale``
+    per layer, per tensor (``granularity="tensor"``) or per key/value head (``"head"``),
+    in float32:
+
+    $$
+    2 \times n \times \text{bytes per scale}, \qquad n = 1 \text{ or } H_{kv} .
+    $$
+
+    A layer's FP8 cache of ``T`` tokens then takes
+    ``T * kv_bytes_per_token(Hkv, E, Ev, bytes_per_element=1) + kv_scale_bytes(Hkv, granularity)``
+    (`attention_ref.kv_cache.KVCache.memory_bytes`, with ``T = B * S_max``).
+
+    Examples:
+        >>> kv_scale_bytes(8), kv_scale_bytes(8, "head")  # Llama-3-8B's 8 key/value heads, one layer
+        (8, 64)
+    """
+    check_positive_int("num_kv_heads", num_kv_heads)
+    check_positive_int("bytes_per_scale", bytes_per_scale)
+    if granularity not in ("tensor", "head"):
+        raise ValueError(f"granularity must be 'tensor' or 'head' (per key/value head), got {granularity!r}")
+    return 2 * (1 if granularity == "tensor" else num_kv_heads) * bytes_per_scale
 
 
 def latent_kv_bytes_per_token(kv_lora_rank: int, rope_head_dim: int, *, bytes_per_element: int = 2) -> int:
@@ -282,7 +310,8 @@ def kv_cache_bytes(layers: Iterable[tuple[int, int | None]], context: int) -> in
     $$
 
     (`cached_tokens`). Multiply by the batch size for several sequences. A linear-attention
-    layer stores no tokens: leave it out, and add its fixed `linear_state_bytes`.
+    layer stores no tokens: leave it out, and add its fixed `linear_state_bytes`; an FP8
+    layer adds its fixed `kv_scale_bytes`.
 
     Examples:
         >>> kv_cache_bytes([(4096, None)] * 32, 8192) // 2**30  # Llama-3-8B, 8k tokens: 1 GiB

@@ -27,6 +27,18 @@ key/value heads (``H`` a multiple of ``Hkv``: query head ``h`` reads kv head
 like the rest of this package; FlashAttention and vLLM store a paged pool as
 ``(num_blocks, block_size, Hkv, E)``, which is ``key_blocks.transpose(1, 2)``.
 
+**FP8 caches** (vLLM's ``kv_cache_dtype="fp8"``): both caches take an FP8 ``dtype``
+(``torch.float8_e4m3fn``, ``float8_e5m2``, or the ``fnuz`` formats of
+`attention_ref.quant`) with a ``k_scale`` and a ``v_scale``, one per tensor or one per
+key/value head. `KVCache.append` and `PagedKVCache.append` take float keys and values and
+store ``x8 = satfinite_RNE(x / scale)``, the package's quantizer
+(`attention_ref.quant.quantize_fp8`, clamp then round to nearest even; never a bare cast),
+as vLLM's ``reshape_and_cache_flash`` does (it divides in float32: see `KVCache`).
+`attention_with_kv_cache` takes the scales as ``k_descale``/``v_descale`` and attends to
+the dequantized ``x8 * scale`` (`attention_ref.quant.dequantize_fp8`):
+`attention_ref.quant.fp8_attention` without P emulation. ``memory_bytes`` counts one byte per element plus the float32 scales
+(`attention_ref.complexity.kv_scale_bytes`).
+
 Examples:
     >>> import torch
     >>> from attention_ref.kv_cache import KVCache, attention_with_kv_cache
@@ -38,6 +50,16 @@ Examples:
     ...                               cache.lengths, is_causal=True)
     >>> out.shape
     torch.Size([1, 6, 3, 4])
+
+    The same in FP8, one scale per tensor for the keys and one per key/value head for the values:
+
+    >>> fp8 = KVCache(batch=1, num_kv_heads=2, max_length=8, head_dim=4, dtype=torch.float8_e4m3fn,
+    ...               k_scale=0.01, v_scale=torch.tensor([0.01, 0.02]))
+    >>> _ = fp8.append(k, v)
+    >>> out8 = attention_with_kv_cache(q, fp8.key_cache, fp8.value_cache, fp8.lengths, is_causal=True,
+    ...                                k_descale=fp8.k_scale, v_descale=fp8.v_scale)
+    >>> fp8.key_cache.dtype, fp8.memory_bytes  # 2 x 1 x 2 x 8 x 4 bytes, and 3 float32 scales
+    (torch.float8_e4m3fn, 140)
 """
 
 from __future__ import annotations
@@ -48,9 +70,10 @@ import torch
 
 from attention_ref import mods
 from attention_ref._validation import check_dense, check_positive_int, fmt_shape, require_int_tensor, require_tensor
-from attention_ref.functional import scaled_dot_product_attention
-from attention_ref.sinks import check_sinks
 from attention_ref.block_mask import BlockMask, made_by
+from attention_ref.functional import scaled_dot_product_attention
+from attention_ref.quant import FORMATS, dequantize_fp8, quantize_fp8, to_torch_float8
+from attention_ref.sinks import check_sinks
 
 __all__ = ["KVCache", "PagedKVCache", "attention_with_kv_cache", "kv_cache_mask_mod"]
 
@@ -74,11 +97,74 @@ def _same_dtype_and_device(name: str, tensor: torch.Tensor, ref_name: str, ref: 
         raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {tensor.device}")
 
 
+#: torch's FP8 dtypes a cache may hold, by `attention_ref.quant.FORMATS` name
+_FP8_DTYPES = {getattr(torch, f.torch_dtype): f.name for f in FORMATS.values() if hasattr(torch, f.torch_dtype)}
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_dtype(dtype: object) -> torch.dtype:
     resolved = torch.get_default_dtype() if dtype is None else dtype
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    if not isinstance(resolved, torch.dtype) or not (resolved in _FLOAT_DTYPES or resolved in _FP8_DTYPES):
+        raise TypeError(
+            f"dtype must be a floating-point torch.dtype (float16, bfloat16, float32, float64), an FP8 one "
+            f"({', '.join(str(d) for d in _FP8_DTYPES)}) or None, got {dtype!r}"
+        )
     return resolved
+
+
+def _scale(name: str, value: object, num_kv_heads: int, device: torch.device | str | None) -> torch.Tensor:
+    """A k/v scale (or descale) as float32 ``()`` or ``(Hkv,)``: per tensor or per key/value head (vLLM's)."""
+    expected = f"a number, a 0-dim tensor or a tensor (Hkv,) = ({num_kv_heads},)"
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point() or value.dtype in _FP8_DTYPES:
+            raise TypeError(f"{name} must be {expected} of a floating-point dtype, got {value.dtype}")
+        if value.shape not in ((), (num_kv_heads,)):
+            raise ValueError(f"{name} must be {expected}, got shape {fmt_shape(value.shape)}")
+    elif not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    scale = torch.as_tensor(value, dtype=torch.float32).to(device)  # float32, as vLLM keeps it
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bad.any():
+        raise ValueError(f"{name} must be finite and > 0 everywhere, got {scale.tolist()}")
+    return scale
+
+
+def _cache_scales(fmt: str | None, dtype: torch.dtype, k_scale: object, v_scale: object, num_kv_heads: int,
+                  device: torch.device | str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The cache's ``(k_scale, v_scale)``: both required with an FP8 ``dtype``, refused with another."""
+    if fmt is None:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is for an FP8 cache (dtype {' or '.join(str(d) for d in _FP8_DTYPES)}), got "
+                    f"{name}={value!r} with dtype={dtype}: leave it None, or pass an FP8 dtype"
+                )
+        return None, None
+    scales = []
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if value is None:
+            raise ValueError(
+                f"{name} is required with dtype={dtype}: a number, a 0-dim tensor or a tensor (Hkv,) = "
+                f"({num_kv_heads},), the descale x ≈ x8 * {name} per tensor or per key/value head (vLLM's "
+                f"{name}), got None"
+            )
+        scales.append(_scale(name, value, num_kv_heads, device))
+    return scales[0], scales[1]
+
+
+def _granularity(scale: torch.Tensor) -> str:
+    """`attention_ref.quant`'s name of a scale's layout: ``"tensor"`` for ``()``, ``"head"`` for ``(Hkv,)``."""
+    return "tensor" if scale.dim() == 0 else "head"
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x8 = satfinite_RNE(x / scale)`` as torch's FP8 dtype: `attention_ref.quant.quantize_fp8`'s rule."""
+    q, _ = quantize_fp8(x, fmt, scale, granularity=_granularity(scale))  # float64 values on the grid
+    return to_torch_float8(q, fmt)  # exact: they are representable
+
+
+def _scale_bytes(*scales: torch.Tensor | None) -> int:
+    return sum(s.numel() * s.element_size() for s in scales if s is not None)
 
 
 # --- the mask --------------------------------------------------------------------------------------
@@ -194,6 +280,8 @@ def attention_with_kv_cache(
     backend: str = "math",
     sinks: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
+    k_descale: torch.Tensor | float | None = None,
+    v_descale: torch.Tensor | float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Attention of ``Lq`` new queries per sequence against a key/value cache.
 
@@ -221,6 +309,15 @@ def attention_with_kv_cache(
     sequence's start, and is refused rather than silently given zeros. A
     left-padded batch of prompts is prefilled with the core and a padding
     mask instead (the "KV cache" page shows how).
+
+    An FP8 cache (torch's FP8 dtypes, `KVCache`'s ``dtype=torch.float8_e4m3fn``)
+    comes with its descales, ``k_descale=cache.k_scale, v_descale=cache.v_scale``:
+    the keys and values attended to are ``dequantize_fp8(x8, descale)`` in the
+    query's dtype (`attention_ref.quant.dequantize_fp8`, ``x8 * descale``), so the
+    result equals `attention_ref.quant.fp8_attention` without P emulation
+    (attention of the dequantized inputs) on the query quantized the same way.
+    The query stays in its float dtype, as in vLLM's and FlashInfer's FP8
+    KV-cache paths that leave Q unquantized.
 
     Args:
         query: ``(B, H, Lq, E)``, the new tokens' queries.
@@ -261,14 +358,20 @@ def attention_with_kv_cache(
             `kv_cache_mask_mod` with equal ``cache_seqlens``, the same ``Lq``
             and ``is_causal``, and be made for this ``B`` (checked:
             ``ValueError`` otherwise).
+        k_descale: for an FP8 ``key_cache`` (required then, refused otherwise):
+            the number each stored key is multiplied by, a number or 0-dim tensor
+            (per tensor) or ``(Hkv,)`` (per key/value head), vLLM's ``k_scale``.
+        v_descale: the same for ``value_cache``.
+
     Returns:
         ``(B, H, Lq, Ev)`` in ``query``'s dtype, or ``(output, weights)``
         (with ``sinks``, each row of weights sums to less than 1).
 
     Raises:
         TypeError: non-tensor or non-float ``query``/caches, caches of another
-            dtype than ``query``; ``cache_seqlens`` or ``block_table`` not an
-            integer tensor; ``sinks`` not a float tensor.
+            dtype than ``query`` (or, FP8, than each other), an FP8 ``query``;
+            ``cache_seqlens`` or ``block_table`` not an integer tensor; ``sinks``
+            not a float tensor; a descale not a number or float tensor.
         ValueError: a wrong number of dims or mismatching sizes (batch, heads,
             ``E``, key and value caches), ``H`` not a multiple of ``Hkv``, a
             tensor on another device than ``query``; ``cache_seqlens`` negative,
@@ -278,7 +381,9 @@ def attention_with_kv_cache(
             device, NaN or ``+inf``; an unknown ``backend``, or one that cannot
             run the call (the message names it); a ``block_mask`` made from
             another mod or for other lengths (``TypeError`` if it is not a
-            `attention_ref.block_mask.BlockMask`).
+            `attention_ref.block_mask.BlockMask`); an FP8 cache without its
+            descales, descales for a float cache, descales of a wrong shape,
+            not finite or not > 0.
 
     Examples:
         >>> import torch
@@ -299,8 +404,32 @@ def attention_with_kv_cache(
     v_layout = "(num_blocks, Hkv, block_size, Ev)" if paged else "(B, Hkv, S_max, Ev)"
     key_cache = _float_4d("key_cache", key_cache, k_layout)
     value_cache = _float_4d("value_cache", value_cache, v_layout)
-    _same_dtype_and_device("key_cache", key_cache, "query", query)
-    _same_dtype_and_device("value_cache", value_cache, "query", query)
+    fmt = _FP8_DTYPES.get(key_cache.dtype)
+    if fmt is None:  # a float cache: the query's dtype, no descales
+        _same_dtype_and_device("key_cache", key_cache, "query", query)
+        _same_dtype_and_device("value_cache", value_cache, "query", query)
+        for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if value is not None:
+                raise ValueError(f"{name} is for an FP8 cache, got {name}={value!r} with a key_cache of "
+                                 f"{key_cache.dtype}: leave it None")
+    else:  # an FP8 cache: a float query, both caches in one format, both descales
+        if query.dtype in _FP8_DTYPES:
+            raise TypeError(
+                f"query must have a float dtype (float16, bfloat16, float32, float64) with an FP8 cache, got "
+                f"{query.dtype}: pass the query (or its dequantized values), not FP8 bytes"
+            )
+        _same_dtype_and_device("value_cache", value_cache, "key_cache", key_cache)
+        if key_cache.device != query.device:
+            raise ValueError(f"key_cache must be on the same device as query ({query.device}), got {key_cache.device}")
+        missing = [name for name, value in (("k_descale", k_descale), ("v_descale", v_descale)) if value is None]
+        if missing:
+            raise ValueError(
+                f"{' and '.join(missing)} {'are' if len(missing) > 1 else 'is'} required with an FP8 cache "
+                f"(key_cache is {key_cache.dtype}): pass the cache's k_scale and v_scale, a number or (Hkv,) = "
+                f"({key_cache.shape[1]},) each"
+            )
+        k_descale = _scale("k_descale", k_descale, key_cache.shape[1], query.device)
+        v_descale = _scale("v_descale", v_descale, key_cache.shape[1], query.device)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     B, H, Lq, E = query.shape
@@ -380,6 +509,10 @@ def attention_with_kv_cache(
         values = _gather_rows(value_cache, rows, B, Hkv, n * block_size)[:, :, :S]  # (B, Hkv, S, Ev)
     else:
         keys, values = key_cache[:, :, :S], value_cache[:, :, :S]  # views (B, Hkv, S, E|Ev)
+    if fmt is not None:
+        # x8 * descale, exact in float64, then the query's dtype: (B, Hkv, S, E|Ev) each
+        keys = dequantize_fp8(keys, k_descale, _granularity(k_descale)).to(query.dtype)
+        values = dequantize_fp8(values, v_descale, _granularity(v_descale)).to(query.dtype)
     if B and int(cache_seqlens.min()) < S:  # zero the slots past a sequence's length (0 * NaN = NaN)
         valid = torch.arange(S, device=query.device) < cache_seqlens[:, None]  # (B, S)
         keep = valid[:, None, :, None]  # (B, 1, S, 1): broadcasts over heads and E
@@ -405,8 +538,30 @@ def _check_new(name: str, value: object, batch: int, heads: int, size: int, layo
             f"{name} must have shape {layout} = ({batch}, {heads}, Lnew, {size}), got shape "
             f"{fmt_shape(tensor.shape)}"
         )
-    _same_dtype_and_device(name, tensor, "the cache", cache)
+    if cache.dtype not in _FP8_DTYPES:
+        _same_dtype_and_device(name, tensor, "the cache", cache)
+        return tensor
+    # an FP8 cache quantizes float tokens on the way in
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a float dtype (float16, bfloat16, float32, float64) for a cache of "
+            f"{cache.dtype}, which quantizes on append, got {tensor.dtype}"
+        )
+    if tensor.device != cache.device:
+        raise ValueError(f"{name} must be on the same device as the cache ({cache.device}), got {tensor.device}")
     return tensor
+
+
+def _check_new_pair(key: torch.Tensor, value: torch.Tensor) -> int:
+    """``Lnew``, after checking that ``key`` and ``value`` hold as many tokens (and, FP8, one dtype)."""
+    if value.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"key and value must hold the same number of new tokens Lnew (dim 2): key has shape "
+            f"{fmt_shape(key.shape)}, value has shape {fmt_shape(value.shape)}"
+        )
+    if value.dtype != key.dtype:  # only an FP8 cache lets them differ from its dtype
+        raise TypeError(f"value must have the same dtype as key ({key.dtype}), got {value.dtype}")
+    return key.shape[2]
 
 
 class KVCache:
@@ -423,18 +578,45 @@ class KVCache:
     A cache is meant for inference (``torch.no_grad()``): `append` writes in
     place, which autograd cannot differentiate through across steps.
 
+    With an FP8 ``dtype`` the cache stores one byte per element:
+    `append` quantizes the float keys and values it is given,
+    ``x8 = satfinite_RNE(x / k_scale)`` (`attention_ref.quant.quantize_fp8`: the
+    quotient in float64, clamped to the format's largest value, then rounded to
+    nearest even), as vLLM's ``reshape_and_cache_flash`` does (which divides in
+    float32, and so can land one step away at an exact midpoint), and
+    `attention_with_kv_cache` reads ``x8 * k_scale`` back when given
+    ``k_descale=cache.k_scale, v_descale=cache.v_scale``.
+
     Args:
         batch: ``B``.
         num_kv_heads: ``Hkv``.
         max_length: ``S_max``, the most tokens a sequence may hold.
         head_dim: ``E``.
         value_dim: ``Ev``; defaults to ``head_dim``.
-        dtype: a floating-point dtype; defaults to torch's default dtype.
+        dtype: ``torch.float16``, ``bfloat16``, ``float32`` or ``float64`` (default
+            torch's default dtype), or an FP8 dtype: ``torch.float8_e4m3fn``,
+            ``float8_e5m2``, ``float8_e4m3fnuz``, ``float8_e5m2fnuz``.
         device: where the tensors live.
+        k_scale: with an FP8 ``dtype`` (required then, refused otherwise): the
+            descale of the keys, ``key ≈ key8 * k_scale``; a number or 0-dim tensor
+            (per tensor) or a tensor ``(Hkv,)`` (per key/value head), vLLM's
+            ``k_scale``. Kept as float32 ``()`` or ``(Hkv,)``, as vLLM keeps it;
+            a common choice is ``amax(|key|) / 448`` for e4m3fn (the scale
+            `attention_ref.quant.quantize_fp8` computes).
+        v_scale: the same for the values.
+
+    Attributes:
+        key_cache: ``(B, Hkv, S_max, E)`` in ``dtype``.
+        value_cache: ``(B, Hkv, S_max, Ev)`` in ``dtype``.
+        k_scale: float32 ``()`` or ``(Hkv,)`` for an FP8 cache, else ``None``.
+        v_scale: the same for the values.
 
     Raises:
-        TypeError: a size that is not an int, a non-float dtype.
-        ValueError: a size that is not positive.
+        TypeError: a size that is not an int, a dtype not listed above, a scale
+            that is not a number or a float tensor.
+        ValueError: a size that is not positive; with an FP8 dtype a missing
+            scale, a scale of another shape than ``()`` or ``(Hkv,)``, not finite
+            or not > 0; with a float dtype, a scale at all.
 
     Examples:
         >>> cache = KVCache(batch=2, num_kv_heads=1, max_length=4, head_dim=3)
@@ -448,17 +630,27 @@ class KVCache:
         Traceback (most recent call last):
         ...
         ValueError: key: appending 2 tokens to a cache holding 3 of max_length = 4 needs 5; ...
+
+        An FP8 cache saturates: a key above ``448 * k_scale`` is stored as 448.
+
+        >>> fp8 = KVCache(1, 1, 4, 2, dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=1.0)
+        >>> keys, _ = fp8.append(torch.tensor([[[[1.3, 1000.0]]]]), torch.ones(1, 1, 1, 2))
+        >>> fp8.key_cache[0, 0, 0].tolist(), keys[0, 0, 0].tolist()  # 2.6 rounds to 2.5
+        ([2.5, 448.0], [1.25, 224.0])
     """
 
     def __init__(self, batch: int, num_kv_heads: int, max_length: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, k_scale: torch.Tensor | float | None = None,
+                 v_scale: torch.Tensor | float | None = None) -> None:
         check_positive_int("batch", batch)
         check_positive_int("num_kv_heads", num_kv_heads)
         check_positive_int("max_length", max_length)
         check_positive_int("head_dim", head_dim)
         value_dim = head_dim if value_dim is None else check_positive_int("value_dim", value_dim)
         dtype = _check_dtype(dtype)
+        self._fmt = _FP8_DTYPES.get(dtype)
+        self.k_scale, self.v_scale = _cache_scales(self._fmt, dtype, k_scale, v_scale, num_kv_heads, device)
         check_dense("KVCache", (batch, num_kv_heads, max_length, head_dim + value_dim), dtype,
                     torch.device(device or "cpu"), copies=1, noun="the keys and values (B, Hkv, S_max, E + Ev)",
                     instead="a smaller max_length, or PagedKVCache, which takes blocks as sequences grow")
@@ -482,23 +674,37 @@ class KVCache:
         return self.key_cache.shape[2]
 
     @property
+    def fp8_format(self) -> str | None:
+        """The `attention_ref.quant.FORMATS` name of an FP8 cache (``"e4m3fn"``, ...), ``None`` for a float one."""
+        return self._fmt
+
+    @property
     def memory_bytes(self) -> int:
-        """Bytes of the two tensors, allocated up front for ``max_length`` tokens."""
-        return sum(t.numel() * t.element_size() for t in (self.key_cache, self.value_cache))
+        """Bytes of the two tensors, allocated up front for ``max_length`` tokens, and of the FP8 scales.
+
+        ``B · S_max · Hkv · (E + Ev)`` elements times their size (one byte in FP8), plus
+        4 bytes per float32 scale (`attention_ref.complexity.kv_scale_bytes`).
+        """
+        return (sum(t.numel() * t.element_size() for t in (self.key_cache, self.value_cache))
+                + _scale_bytes(self.k_scale, self.v_scale))
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``Lnew`` new tokens of every sequence after the ones held.
 
         Args:
-            key: ``(B, Hkv, Lnew, E)``, in the cache's dtype and device.
-            value: ``(B, Hkv, Lnew, Ev)``.
+            key: ``(B, Hkv, Lnew, E)``, in the cache's dtype, on its device; for an
+                FP8 cache float16, bfloat16, float32 or float64, quantized here.
+            value: ``(B, Hkv, Lnew, Ev)``, the same (for an FP8 cache, ``key``'s dtype).
 
         Returns:
             ``(keys, values)``: views ``(B, Hkv, length, E)`` and
             ``(B, Hkv, length, Ev)`` of every token held, the new ones included.
+            For an FP8 cache, their dequantized values instead (copies,
+            ``x8 * scale`` in ``key``'s dtype, what `attention_with_kv_cache` attends to).
 
         Raises:
-            TypeError: a non-float tensor or another dtype than the cache's.
+            TypeError: a non-float tensor or another dtype than the cache's (FP8
+                cache: an FP8 tensor, or ``key`` and ``value`` of different dtypes).
             ValueError: wrong shapes, ``key`` and ``value`` of different
                 ``Lnew``, another device, or more tokens than ``max_length``
                 leaves room for (nothing is written then).
@@ -507,22 +713,25 @@ class KVCache:
         key = _check_new("key", key, B, Hkv, E, "(B, Hkv, Lnew, E)", self.key_cache)
         value = _check_new("value", value, B, Hkv, self.value_cache.shape[3], "(B, Hkv, Lnew, Ev)",
                            self.value_cache)
-        new = key.shape[2]
-        if value.shape[2] != new:
-            raise ValueError(
-                f"key and value must hold the same number of new tokens Lnew (dim 2): key has shape "
-                f"{fmt_shape(key.shape)}, value has shape {fmt_shape(value.shape)}"
-            )
+        new = _check_new_pair(key, value)
         start, end = self._length, self._length + new
         if end > self.max_length:
             raise ValueError(
                 f"key: appending {new} tokens to a cache holding {start} of max_length = {self.max_length} "
                 f"needs {end}; nothing was written"
             )
+        dtype = key.dtype
+        if self._fmt is not None:  # x8 = satfinite_RNE(x / scale), torch's FP8 dtype
+            key, value = _quantize(key, self.k_scale, self._fmt), _quantize(value, self.v_scale, self._fmt)
         self.key_cache[:, :, start:end] = key  # positions start .. end - 1 of every sequence
         self.value_cache[:, :, start:end] = value
         self._length = end
-        return self.key_cache[:, :, :end], self.value_cache[:, :, :end]
+        keys, values = self.key_cache[:, :, :end], self.value_cache[:, :, :end]
+        if self._fmt is None:
+            return keys, values
+        # x8 * scale, exact in float64, then the dtype given: (B, Hkv, length, E|Ev)
+        return (dequantize_fp8(keys, self.k_scale, _granularity(self.k_scale)).to(dtype),
+                dequantize_fp8(values, self.v_scale, _granularity(self.v_scale)).to(dtype))
 
     def reset(self) -> None:
         """Forget every token (the tensors are kept and overwritten by the next `append`)."""
@@ -553,18 +762,31 @@ class PagedKVCache:
     FlashAttention and vLLM store the pool as ``(num_blocks, block_size, Hkv, E)``:
     that is ``key_blocks.transpose(1, 2)``.
 
+    With an FP8 ``dtype`` the pool holds one byte per element, quantized on
+    `append` with ``k_scale``/``v_scale`` exactly as `KVCache` does (vLLM's
+    ``kv_cache_dtype="fp8"``: one scale per tensor or per key/value head for the
+    whole pool); pass ``k_descale=cache.k_scale, v_descale=cache.v_scale`` to
+    `attention_with_kv_cache`.
+
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         num_kv_heads: ``Hkv``.
         head_dim: ``E``.
         value_dim: ``Ev``; defaults to ``head_dim``.
-        dtype: a floating-point dtype; defaults to torch's default dtype.
+        dtype: ``torch.float16``, ``bfloat16``, ``float32`` or ``float64`` (default
+            torch's default dtype), or an FP8 dtype (as `KVCache`).
         device: where the pool lives.
+        k_scale: with an FP8 ``dtype`` (required then, refused otherwise): the
+            keys' descale, a number or 0-dim tensor or ``(Hkv,)``, as `KVCache`'s.
+        v_scale: the same for the values.
 
     Raises:
-        TypeError: a size that is not an int, a non-float dtype.
-        ValueError: a size that is not positive.
+        TypeError: a size that is not an int, a dtype not listed above, a scale
+            that is not a number or a float tensor.
+        ValueError: a size that is not positive; a missing, misshapen,
+            non-finite or non-positive scale with an FP8 dtype, or one at all
+            with a float dtype.
 
     Examples:
         >>> cache = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2)
@@ -580,13 +802,16 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, k_scale: torch.Tensor | float | None = None,
+                 v_scale: torch.Tensor | float | None = None) -> None:
         check_positive_int("num_blocks", num_blocks)
         check_positive_int("block_size", block_size)
         check_positive_int("num_kv_heads", num_kv_heads)
         check_positive_int("head_dim", head_dim)
         value_dim = head_dim if value_dim is None else check_positive_int("value_dim", value_dim)
         dtype = _check_dtype(dtype)
+        self._fmt = _FP8_DTYPES.get(dtype)
+        self.k_scale, self.v_scale = _cache_scales(self._fmt, dtype, k_scale, v_scale, num_kv_heads, device)
         self.key_blocks = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
         self.value_blocks = torch.zeros(num_blocks, num_kv_heads, block_size, value_dim, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes block 0 first
@@ -614,18 +839,23 @@ class PagedKVCache:
         return self.num_blocks - len(self._free)
 
     @property
+    def fp8_format(self) -> str | None:
+        """The `attention_ref.quant.FORMATS` name of an FP8 pool (``"e4m3fn"``, ...), ``None`` for a float one."""
+        return self._fmt
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block of keys and its block of values."""
+        """Bytes of one block of keys and its block of values (one byte per element in FP8)."""
         return sum(t[0].numel() * t.element_size() for t in (self.key_blocks, self.value_blocks))
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of the whole pool, allocated up front."""
-        return self.num_blocks * self.bytes_per_block
+        """Bytes of the whole pool, allocated up front, and of its float32 FP8 scales (4 bytes each)."""
+        return self.num_blocks * self.bytes_per_block + _scale_bytes(self.k_scale, self.v_scale)
 
     @property
     def bytes_in_use(self) -> int:
-        """Bytes of the blocks held by sequences."""
+        """Bytes of the blocks held by sequences (the pool's scales, shared, are counted in `memory_bytes`)."""
         return self.blocks_in_use * self.bytes_per_block
 
     def _known(self, sequence_id: Hashable) -> None:
@@ -663,12 +893,15 @@ class PagedKVCache:
 
         Args:
             sequence_ids: ``n`` allocated ids, no repeats.
-            key: ``(n, Hkv, Lnew, E)``, row ``i`` for ``sequence_ids[i]``.
-            value: ``(n, Hkv, Lnew, Ev)``.
+            key: ``(n, Hkv, Lnew, E)``, row ``i`` for ``sequence_ids[i]``, in the
+                pool's dtype; for an FP8 pool float16, bfloat16, float32 or
+                float64, quantized here (``satfinite_RNE(key / k_scale)``, as `KVCache`).
+            value: ``(n, Hkv, Lnew, Ev)``, the same (for an FP8 pool, ``key``'s dtype).
 
         Raises:
             TypeError: ``sequence_ids`` not a list; a non-float tensor or another
-                dtype than the pool's.
+                dtype than the pool's (FP8 pool: an FP8 tensor, or ``key`` and
+                ``value`` of different dtypes).
             ValueError: an id not allocated or repeated, wrong shapes, another device.
             RuntimeError: the pool has too few free blocks (nothing is written then).
         """
@@ -678,12 +911,7 @@ class PagedKVCache:
         key = _check_new("key", key, n, Hkv, E, "(n, Hkv, Lnew, E)", self.key_blocks)
         value = _check_new("value", value, n, Hkv, self.value_blocks.shape[3], "(n, Hkv, Lnew, Ev)",
                            self.value_blocks)
-        new = key.shape[2]
-        if value.shape[2] != new:
-            raise ValueError(
-                f"key and value must hold the same number of new tokens Lnew (dim 2): key has shape "
-                f"{fmt_shape(key.shape)}, value has shape {fmt_shape(value.shape)}"
-            )
+        new = _check_new_pair(key, value)
         needed = [-(-(self._lengths[sid] + new) // bs) - len(self._blocks[sid]) for sid in ids]
         if sum(needed) > len(self._free):
             raise RuntimeError(
@@ -691,6 +919,8 @@ class PagedKVCache:
                 f"blocks of {bs} tokens, {len(self._free)} of {self.num_blocks} are free; nothing was written "
                 "(free finished sequences, or make a larger pool)"
             )
+        if self._fmt is not None:  # x8 = satfinite_RNE(x / scale), torch's FP8 dtype
+            key, value = _quantize(key, self.k_scale, self._fmt), _quantize(value, self.v_scale, self._fmt)
         device = self.key_blocks.device
         for i, (sid, more) in enumerate(zip(ids, needed)):
             self._blocks[sid].extend(self._free.pop() for _ in range(more))

@@ -254,11 +254,12 @@ class Block(nn.Module):
                 q, k, v, is_causal=mask_mod is None, mask_mod=mask_mod,
                 sinks=self.sinks, return_weights=True)
         else:
-            # the new keys and values, after the ones held
+            # the new keys and values, after the ones held (an FP8 cache quantizes them)
             cache.append(k, v)
             out, weights = attention_with_kv_cache(
                 q, cache.key_cache, cache.value_cache, cache.lengths,
-                is_causal=True, sinks=self.sinks, return_weights=True)
+                is_causal=True, sinks=self.sinks, return_weights=True,
+                k_descale=cache.k_scale, v_descale=cache.v_scale)  # None for a float cache
         # out (B, H, L, D); weights (B, H, L, S), S = the keys seen
         if keep_heads is not None:
             # an ablated head adds nothing
@@ -515,7 +516,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 @torch.no_grad()
 def generate(model: CharLM, prompt: torch.Tensor, steps: int, *, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None,
-             use_cache: bool = True) -> torch.Tensor:
+             use_cache: bool = True, caches: Sequence[KVCache] | None = None) -> torch.Tensor:
     """Extend ``prompt`` by ``steps`` characters, one at a time.
 
     With ``use_cache`` the prompt runs once through the model and each new character then
@@ -533,13 +534,17 @@ def generate(model: CharLM, prompt: torch.Tensor, steps: int, *, temperature: fl
         top_k: sample only among the ``top_k`` most likely characters.
         generator: the random generator of the samples (seeded for a repeatable text).
         use_cache: keep each layer's keys and values (a KV cache) instead of recomputing.
+        caches: with ``use_cache``, the empty caches to fill, one
+            `attention_ref.kv_cache.KVCache` per layer (FP8 ones, say, with their scales);
+            default ``model.new_caches(B)``.
 
     Returns:
         ``(B, L + steps)`` ids (``(L + steps,)`` for a 1-d prompt).
 
     Raises:
         ValueError: a bad ``steps``, ``temperature`` or ``top_k``; an empty prompt; with the
-            cache, ``L + steps > context``.
+            cache, ``L + steps > context``; ``caches`` without ``use_cache``, or caches
+            that already hold tokens (and what `CharLM.forward` refuses: not one per layer).
     """
     squeeze = isinstance(prompt, torch.Tensor) and prompt.dim() == 1
     ids = prompt.unsqueeze(0) if squeeze else prompt
@@ -558,11 +563,17 @@ def generate(model: CharLM, prompt: torch.Tensor, steps: int, *, temperature: fl
         raise ValueError(f"with use_cache=True the text must fit the context: prompt of "
                          f"{ids.shape[1]} + steps {steps} > context = {context}; pass "
                          f"use_cache=False to slide a window over a longer text")
+    if caches is not None:
+        if not use_cache:
+            raise ValueError("caches: only with use_cache=True")
+        held = [cache.length for cache in caches]
+        if any(held):
+            raise ValueError(f"caches must be empty (reset them), got caches holding {held} tokens")
     if steps == 0:
         return prompt.clone()
     temperature = float(temperature)
     if use_cache:
-        caches = model.new_caches(ids.shape[0])
+        caches = model.new_caches(ids.shape[0]) if caches is None else caches
         logits = model(ids, caches=caches)[:, -1]  # prefill: the whole prompt at once
         for step in range(steps):
             nxt = _sample(logits, temperature, top_k, generator)  # (B,)
