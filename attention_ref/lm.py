@@ -254,12 +254,13 @@ class Block(nn.Module):
                 q, k, v, is_causal=mask_mod is None, mask_mod=mask_mod,
                 sinks=self.sinks, return_weights=True)
         else:
-            # the new keys and values, after the ones held (an FP8 cache quantizes them)
+            # the new keys and values, after the ones held (quantized in an FP8 cache)
             cache.append(k, v)
+            # the descales of an FP8 cache (None for a float one)
             out, weights = attention_with_kv_cache(
                 q, cache.key_cache, cache.value_cache, cache.lengths,
                 is_causal=True, sinks=self.sinks, return_weights=True,
-                k_descale=cache.k_scale, v_descale=cache.v_scale)  # None for a float cache
+                k_descale=cache.k_scale, v_descale=cache.v_scale)
         # out (B, H, L, D); weights (B, H, L, S), S = the keys seen
         if keep_heads is not None:
             # an ablated head adds nothing
