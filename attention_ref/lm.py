@@ -965,22 +965,22 @@ def browser_export(model: CharLM, tokenizer: CharTokenizer) -> tuple[dict, bytes
     return manifest, b"".join(chunks)
 
 
-#: How far the widget's window jumps once a text outgrows the model's context (`widget_window_start`).
-WIDGET_HOP = 64
-
-
-def widget_window_start(length: int, context: int = 128, hop: int = WIDGET_HOP) -> int:
+def widget_window_start(length: int, context: int = 128, hop: int | None = None) -> int:
     """Where the page's widget starts reading a text of ``length`` characters (docs/javascripts/char-lm.js
     computes the same): 0 while the text fits the model's ``context``; past it, the window jumps ahead
-    ``hop`` characters at a time, so the model reads between ``context - hop + 1`` and ``context`` of the
-    last characters. Between jumps, one character more reuses the keys and values computed for the
-    others (a KV cache); a window sliding by one character could not reuse them: a deeper layer's key
-    depends on every character before it in the window, and the window's first character changed.
+    ``hop`` characters at a time (default half the context: 64 for page 11's model), so the model reads
+    between ``context - hop + 1`` and ``context`` of the last characters. Between jumps, one character
+    more reuses the keys and values computed for the others (a KV cache); a window sliding by one
+    character could not reuse them: a deeper layer's key depends on every character before it in the
+    window, and the window's first character changed.
 
     Examples:
         >>> [widget_window_start(n) for n in (0, 128, 129, 192, 193)]
         [0, 0, 64, 64, 128]
+        >>> widget_window_start(65, context=64)  # the copy model's 64: jumps of 32
+        32
     """
+    hop = context // 2 if hop is None and isinstance(context, int) and context >= 2 else hop
     for name, value in (("length", length), ("context", context), ("hop", hop)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "length" else 1):
             raise ValueError(f"{name} must be an int >= {0 if name == 'length' else 1}, got {value!r}")

@@ -538,6 +538,7 @@ def test_the_widgets_window_jumps_and_always_reads_between_65_and_128_characters
         assert start % 64 == 0 and (start == 0 if n <= 128 else 65 <= n - start <= 128), n
         assert start >= lm.widget_window_start(max(n - 1, 0))  # it never moves back
     assert lm.widget_window_start(300, context=100, hop=100) == 200
+    assert [lm.widget_window_start(n, context=64) for n in (64, 65, 96, 97)] == [0, 32, 32, 64]  # hops of 32
     with pytest.raises(ValueError, match="hop must be at most context \\(128\\), got 129"):
         lm.widget_window_start(200, hop=129)
     with pytest.raises(ValueError, match="length must be an int >= 0, got -1"):

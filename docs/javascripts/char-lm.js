@@ -298,12 +298,11 @@
   // Probabilities of the next character from the last row of logits: softmax(logits / T) over
   // the top_k largest (T = 0: all on the largest), as attention_ref.lm.generate samples.
   // Where the widget starts reading a text of `length` characters (attention_ref.lm.widget_window_start):
-  // 0 while it fits the context; past it, the window jumps ahead WINDOW_HOP characters at a time, so it
-  // reads between context - WINDOW_HOP + 1 and context characters, and between jumps one character more
-  // reuses the keys and values of the others. A window sliding by one could not: a deeper layer's key
-  // depends on every character before it in the window.
-  const WINDOW_HOP = 64;
-  function windowStart(length, context, hop = WINDOW_HOP) {
+  // 0 while it fits the context; past it, the window jumps ahead `hop` characters at a time (half the
+  // context), so it reads between context - hop + 1 and context characters, and between jumps one
+  // character more reuses the keys and values of the others. A window sliding by one could not: a
+  // deeper layer's key depends on every character before it in the window.
+  function windowStart(length, context, hop = Math.floor(context / 2)) {
     return length <= context ? 0 : Math.ceil((length - context) / hop) * hop;
   }
 
@@ -663,7 +662,7 @@
       if (!kept.length) notes.push("Type some text above: the model predicts the character that comes next.");
       else if (state.window > 0) {
         notes.push(`The model reads the last ${kept.length} characters: it was trained on windows of ` +
-          `${m.context}, and past ${m.context} its window jumps ahead ${WINDOW_HOP} characters at a time, ` +
+          `${m.context}, and past ${m.context} its window jumps ahead ${Math.floor(m.context / 2)} characters at a time, ` +
           `so that what it computed for the characters it keeps stays valid.`);
       }
       const { note, invalid } = settings();

@@ -123,7 +123,7 @@ def test_typing_redraws_everything(page, site_url: str):
     box = widget.locator("textarea")
     box.fill("")
     box.type("To be, or not to b")
-    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 18", arg=WIDGET)
+    page.wait_for_function("sel => document.querySelector(sel).querySelectorAll('.charlm-token').length === 18", arg=WIDGET)
     bars = widget.locator(".charlm-probs li")
     assert bars.count() == 10
     first = bars.first.locator(".charlm-char").text_content()
@@ -171,7 +171,7 @@ def test_generate_adds_characters_and_stops(page, site_url: str):
     widget = open_widget(page, site_url)
     box = widget.locator("textarea")
     box.fill("HAMLET.\n")
-    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 8", arg=WIDGET)
+    page.wait_for_function("sel => document.querySelector(sel).querySelectorAll('.charlm-token').length === 8", arg=WIDGET)
     widget.get_by_role("button", name="Generate 60").click()
     page.wait_for_function("sel => document.querySelector(sel + ' textarea').value.length >= 14", arg=WIDGET)
     widget.get_by_role("button", name="Stop").click()
@@ -331,14 +331,15 @@ def test_past_the_context_the_window_jumps_as_lm_says_and_reads_what_torch_reads
     (each reusing the keys and values of the run before it) or pasted at once."""
     net, tok, _ = model
     widget = open_widget(page, site_url)
-    starts = page.evaluate("n => Array.from({length: n}, (_, i) => window.attentionRefCharLM.windowStart(i, 128))",
-                           600)
-    assert starts == [lm.widget_window_start(n) for n in range(600)]
+    for context in (128, 64):  # page 11's model, the copy model
+        starts = page.evaluate(
+            "([n, c]) => Array.from({length: n}, (_, i) => window.attentionRefCharLM.windowStart(i, c))", [600, context])
+        assert starts == [lm.widget_window_start(n, context) for n in range(600)]
     text = ("O Romeo, Romeo! wherefore art thou Romeo? Deny thy father and refuse thy name; " * 3)[:200]
     box = widget.locator("textarea")
     box.fill(text[:188])
     box.type(text[188:])  # across the jump at 193: the window starts at 64, then at 128
-    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 72", arg=WIDGET)
+    page.wait_for_function("sel => document.querySelector(sel).querySelectorAll('.charlm-token').length === 72", arg=WIDGET)
     start = lm.widget_window_start(len(text))
     assert start == 128 and widget.get_attribute("data-window-start") == "128"
     assert "reads the last 72 characters" in widget.locator(".charlm-status").text_content()
@@ -360,7 +361,7 @@ def test_the_chosen_heads_map_is_readable_at_any_length_and_gives_each_weight(pa
     # 192 characters: the window starts at 64 (lm.widget_window_start) and reads the last 128
     text = ("ROMEO.\nBut soft, what light through yonder window breaks? " * 4)[:192]
     widget.locator("textarea").fill(text)
-    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 128", arg=WIDGET)
+    page.wait_for_function("sel => document.querySelector(sel).querySelectorAll('.charlm-token').length === 128", arg=WIDGET)
     widget.get_by_role("button", name="layer 1, head 2").click()
     zoom = widget.locator("canvas.charlm-zoom")
     box = zoom.bounding_box()
@@ -432,7 +433,7 @@ def test_step_panel_opens_by_keyboard_shows_the_trace_and_fits_a_phone(page, sit
     widget = open_widget(page, site_url)
     text = "To be, or not to b"
     widget.locator("textarea").fill(text)
-    page.wait_for_function("sel => document.querySelectorAll(sel + ' .charlm-token').length === 18", arg=WIDGET)
+    page.wait_for_function("sel => document.querySelector(sel).querySelectorAll('.charlm-token').length === 18", arg=WIDGET)
     assert widget.locator(".charlm-step").is_hidden()
     widget.locator("textarea").focus()
     for _ in range(8):  # the controls after the box, then the panel's button
@@ -568,4 +569,57 @@ def test_the_widget_switches_heads_off_and_says_what_it_costs(page, site_url: st
     assert abs(float(widget.get_attribute("data-loss")) - python_loss([])) < 1e-4
     assert widget.locator('.charlm-switch[aria-pressed="true"]').count() == 0
     assert page.evaluate("document.documentElement.scrollWidth") <= page.viewport_size["width"]
+    assert page.console_errors == []
+
+
+COPY_MANIFEST = "assets/char-lm/copy-lm.json"
+
+
+def test_the_copy_model_in_javascript_equals_torch(page, site_url: str, built_site):
+    """The second widget's model, page 11's copy model (two layers of two heads, no MLP, 64 characters):
+    its manifest is the shipped model, and the JavaScript's logits are torch's, heads on and off."""
+    net, tok, _ = lm.load_char_lm("copy")
+    manifest = json.loads((built_site / COPY_MANIFEST).read_text())
+    assert manifest["config"]["mlp"] is False and manifest["numbers"] == net.num_parameters()
+    texts = ["kq3v!m.Xz,wR;Te Jh?bQ pL kq3v!m.Xz,wR;Te Jh?bQ", "HAMLET.\nTo be, or not to be HAMLET.\nTo be"]
+    offs = [[], [[1, 0]], [[0, 1], [1, 1]]]
+    page.goto(site_url + PAGE)
+    got = page.evaluate(
+        """async ([url, texts, offs]) => {
+            const m = await window.attentionRefCharLM.load(url);
+            return texts.map((t) => offs.map((off) => Array.from(m.run(m.encode(t).ids, null, null, off).logits)));
+        }""",
+        [site_url + COPY_MANIFEST, texts, offs],
+    )
+    worst = 0.0
+    for text, per_off in zip(texts, got):
+        ids = tok.encode(text)[None]
+        for off, logits in zip(offs, per_off):
+            with torch.no_grad():
+                expected = net(ids, ablate=[tuple(p) for p in off])[0].numpy()
+            worst = max(worst, float(np.abs(np.array(logits).reshape(expected.shape) - expected).max()))
+    assert worst < 1e-4, f"largest |JS - torch| logit difference {worst:.2e}"
+
+
+def test_the_copy_widget_loses_its_copying_when_a_head_is_off(page, site_url: str):
+    """Page 11's second widget opens on a span written twice; its loss line is the copy model's loss on
+    that text, every head on and with a head switched off, as `CharLM(..., ablate=)` gives it."""
+    net, tok, _ = lm.load_char_lm("copy")
+    page.goto(site_url + PAGE)
+    widget = page.locator(WIDGET).nth(1)
+    widget.wait_for()
+    page.wait_for_function("sel => document.querySelectorAll(sel)[1]?.dataset.loaded === '1'", arg=WIDGET)
+    ids = tok.encode(widget.locator("textarea").input_value())[None]
+    assert ids.shape[1] == 58  # the page's text: a span of 20 written twice
+
+    def python_loss(off):
+        with torch.no_grad():
+            logits = net(ids, ablate=off)[0]
+        return float(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:]))
+
+    assert abs(float(widget.get_attribute("data-loss")) - python_loss([])) < 1e-4
+    widget.locator('[aria-label="switch head 0 of layer 1 off"]').click()
+    page.wait_for_function("sel => document.querySelectorAll(sel)[1].dataset.off === '[[1,0]]'", arg=WIDGET)
+    off = float(widget.get_attribute("data-loss"))
+    assert abs(off - python_loss([(1, 0)])) < 1e-4 and off > python_loss([]) + 0.5
     assert page.console_errors == []
