@@ -45,11 +45,13 @@ def one_thread():
 SLOW = pytest.mark.skipif(not os.environ.get("ATTENTION_REF_SLOW_TESTS"),
                           reason="torch.compile on CPU takes minutes: set ATTENTION_REF_SLOW_TESTS=1")
 HF_FLEX = {"float_mask_per_head-float32-fwd-small", "float_mask_batch1-float32-fwd-small"}
-# Each shipped adapter: the cases expected to fail (known bugs) and how many must pass at least.
+TORCH_FLEX = {f"softcap-{dtype}-fwd-small" for dtype in ("float32", "float16", "bfloat16")}
+# Each shipped adapter: the cases its known bugs break (expected to fail while their repros reproduce here) and
+# how many must pass at least.
 EXPECTED = {
     "torch-sdpa-math": (set(), 50),
     "torch-sdpa-flash": (set(), 50),
-    "torch-flex": (set(), 38),
+    "torch-flex": (TORCH_FLEX, 38),
     "torch-multihead": (set(), 35),
     "hf-sdpa": (set(), 70),
     "hf-flex": (HF_FLEX, 36),
@@ -123,7 +125,9 @@ def test_shipped_adapter_agrees_with_the_reference_except_its_known_bugs(name):
     report = conformance.run(shipped.SHIPPED[name](), "quick")
     assert report.ok, str(report)
     known, at_least = EXPECTED[name]
-    assert {r.id for r in report.results if r.status == "xfailed"} == known
+    adapter = shipped.SHIPPED[name]()  # the known failures whose repros reproduce with the library installed here
+    showing = {case_id for case_id in known if adapter.known_failure(by_id(case_id)).expected()}
+    assert {r.id for r in report.results if r.status == "xfailed"} == showing
     assert report.counts()["passed"] >= at_least, report.summary()
 
 
@@ -177,9 +181,58 @@ def test_the_shipped_flex_repros_see_a_fix_and_cannot_tell_a_different_answer(mo
             try:
                 answers.append(known.expected())
             except conformance.ReproError as error:
-                assert "transformers gives neither the right output nor the bug's" in str(error)
+                assert "the library gives neither the right output nor the bug's" in str(error)
                 answers.append(type(error))
         assert answers == expected, forward.__name__
+
+
+def test_the_torch_flex_repro_sees_the_captured_float_bug_a_fix_and_a_different_answer(monkeypatch):
+    """The repro of eager flex_attention's captured-float bug (torch 2.15.0) against stand-ins for flex_attention:
+    one that refuses the second score_mod as 2.15.0 does (True), a right one (False), and one that gives
+    another answer (it cannot tell). Then the installed torch: the soft-capping cases are xfailed exactly
+    while the repro reproduces, else judged plainly and passed, the report saying why."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    def right(q, k, v, score_mod, **kwargs):  # flex_attention's definition, score_mod on every score at once
+        B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        b, h, q_idx, kv_idx = (torch.arange(n).view([-1 if i == j else 1 for j in range(4)])
+                               for i, n in enumerate((B, H, L, S)))  # broadcast to (B, H, L, S)
+        scores = score_mod((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5, b, h, q_idx, kv_idx)
+        return torch.softmax(scores, dim=-1) @ v
+
+    calls = []
+
+    def refuses_the_second(q, k, v, score_mod, **kwargs):
+        calls.append(score_mod)
+        if len(calls) > 1:
+            raise RuntimeError("(zf64,) can only be of (Tensor, int, SymInt) but got (<class 'torch.SymFloat'>,)")
+        return right(q, k, v, score_mod)
+
+    def zeros(q, k, v, **kwargs):
+        return torch.zeros_like(q)
+
+    (known,) = shipped.torch_flex().known_failures
+    for flex, expected in [(refuses_the_second, True), (right, False), (zeros, conformance.ReproError)]:
+        monkeypatch.setattr(flex_module, "flex_attention", flex)
+        monkeypatch.setattr(adapter_module, "_REPRO_RESULTS", {})
+        try:
+            answer = known.expected()
+        except conformance.ReproError as error:
+            assert "the library gives neither the right output nor the bug's" in str(error)
+            answer = conformance.ReproError
+        assert answer is expected, flex.__name__
+    monkeypatch.undo()
+    monkeypatch.setattr(adapter_module, "_REPRO_RESULTS", {})
+    report = conformance.run(shipped.torch_flex(), select=["plain-float32-fwd-small", "softcap-float32-fwd-small",
+                                                           "softcap-float16-fwd-small"])
+    softcap = [r for r in report.results if r.scenario == "softcap"]
+    assert report.ok, str(report)
+    if known.expected():
+        assert [r.status for r in softcap] == ["xfailed", "xfailed"]
+    else:
+        assert [r.status for r in softcap] == ["passed", "passed"]
+        why = "an older release" if known.predates() else "fixed upstream, it appears"
+        assert all(why in r.detail for r in softcap), [r.detail for r in softcap]
 
 
 def test_unsupported_features_are_skipped_with_the_reason():

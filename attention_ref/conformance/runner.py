@@ -184,6 +184,8 @@ def run_case(adapter: Adapter, case: Case, device: torch.device | str = "cpu") -
                                          "this case?)")
         else:
             status, detail = "xfailed", f"{expected.describe()}; its repro reproduces with {expected.where()}\n{detail}"
+    elif known is not None and status == "passed" and known.predates():  # a release from before the bug
+        detail = f"the known failure {known.describe()} does not reproduce with {known.where()}, an older release"
     elif known is not None and status == "passed":  # its repro no longer reproduces: judged plainly, and passed
         detail = (f"the known failure {known.describe()} no longer reproduces with {known.where()}: fixed upstream, "
                   "it appears; the entry can go")
