@@ -65,7 +65,9 @@ instead of ``repeat_interleave``. `assert_module_close` applies the same rule to
 a whole multi-head module against ``torch.nn.MultiheadAttention``.
 
 Where each part lives, one file per idea: ``attention.py`` (`assert_attention_close` and its
-argument checks), ``linear.py`` (`assert_linear_attention_close` and its probes), ``modules.py``
+argument checks), ``linear.py`` (`assert_linear_attention_close` and its probes), ``low_precision.py``
+(`assert_fp8_attention_close`: an FP8 or INT8 kernel against float64 on the dequantized inputs, each
+element held to an allowance set in advance from named rounding terms), ``modules.py``
 (`assert_module_close`: the module's weights in a float64 ``torch.nn.MultiheadAttention``),
 ``probes.py`` (the planted bugs that name a likely cause), ``verdict.py`` (the rule applied to each
 quantity, the numbers of a failure's message, `CheckReport`), ``rounding.py`` (``U_r``: what any
@@ -84,7 +86,18 @@ from __future__ import annotations
 
 from attention_ref.testing.attention import assert_attention_close
 from attention_ref.testing.linear import assert_linear_attention_close
+from attention_ref.testing.low_precision import (
+    FP8CheckReport,
+    assert_fp8_attention_close,
+)
 from attention_ref.testing.modules import assert_module_close
 from attention_ref.testing.verdict import CheckReport
 
-__all__ = ["CheckReport", "assert_attention_close", "assert_linear_attention_close", "assert_module_close"]
+__all__ = [
+    "CheckReport",
+    "FP8CheckReport",
+    "assert_attention_close",
+    "assert_fp8_attention_close",
+    "assert_linear_attention_close",
+    "assert_module_close",
+]
