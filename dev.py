@@ -386,6 +386,22 @@ def test_env(args: argparse.Namespace, extra: list[str], env: dict[str, str]) ->
 #: tests/site) and the strict build. Everything else runs.
 QUICK_IGNORES = ["--ignore=tests/docs", "--ignore=tests/site"]
 
+#: The marker of the heavy sweeps (every model type the installed transformers offers, built and compared
+#: with eager; tests/conftest.py declares it): with --newest they run once, in the newest tier, where the
+#: newest release's model types are, and the pinned tier leaves them out. Measured in a check on 2 cores:
+#: 69 s of the pinned tier's test time (tests/test_hf_sweep.py and the decoders of tests/test_hf_models.py).
+SWEEP_MARKER = "sweep"
+
+
+def pinned_deselected(args: argparse.Namespace) -> list[str]:
+    """What the pinned tier's pytest run leaves to another tier: with --newest the sweeps, else nothing."""
+    return ["-m", f"not {SWEEP_MARKER}"] if args.newest else []
+
+
+def pinned_detail(args: argparse.Namespace) -> str:
+    """The pinned tier's row's note on what it left out (`pinned_deselected`)."""
+    return f"; the sweeps (marked {SWEEP_MARKER!r}) in the newest tier only" if args.newest else ""
+
 
 def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
     """The development loop's tier: the unit and property tests and doctests, in parallel."""
@@ -397,10 +413,11 @@ def check_quick(args: argparse.Namespace, extra: list[str]) -> int:
     start = time.perf_counter()
     TIMINGS.clear()
     with tempfile.TemporaryDirectory(prefix="attention-ref-quick-") as tmp:
-        returncode, detail = run_pytest(args, extra, dict(os.environ), QUICK_IGNORES, Path(tmp) / "junit.xml")
+        returncode, detail = run_pytest(args, extra, dict(os.environ), [*QUICK_IGNORES, *pinned_deselected(args)],
+                                        Path(tmp) / "junit.xml")
         TIMINGS["pytest"] = file_seconds(Path(tmp) / "junit.xml")
     results.append(("pytest", returncode == 0, time.perf_counter() - start,
-                    f"{detail}; the pages and the site not checked"))
+                    f"{detail}; the pages and the site not checked{pinned_detail(args)}"))
     if args.newest:
         results += check_newest(args, extra)
     all_ok = print_summary("summary (quick: `python3 dev.py check --newest` runs everything, as CI does)",
@@ -630,10 +647,11 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
                 tests_start = time.perf_counter()
                 say("pytest, beside the build: unit tests, doctests (the pages' blocks run in the build)")
                 junit = Path(tmp) / "junit.xml"
-                returncode, detail = run_pytest(args, extra, env, [*RUN_BY_THE_BUILD,
+                returncode, detail = run_pytest(args, extra, env, [*RUN_BY_THE_BUILD, *pinned_deselected(args),
                                                                    *(f"--ignore={p}" for p in AFTER_THE_BUILD)], junit)
                 TIMINGS["pytest"] = file_seconds(junit)
-                results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start, detail)]
+                results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start,
+                                  detail + pinned_detail(args))]
             build_ok = building.wait() == 0
             watcher.join()
         build_seconds = ended[0] - start

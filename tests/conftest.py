@@ -104,6 +104,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", f"{OWN}(why): a test in a file of upstream tests whose verdict is the package's own: "
         "the newest tier leaves it out"
     )
+    config.addinivalue_line(
+        "markers", "sweep: a heavy sweep over every model type of the installed transformers; with "
+        "`dev.py check --newest` it runs in the newest tier only (dev.py's SWEEP_MARKER)"
+    )
     name = config.getoption("--device") or os.environ.get("ATTENTION_REF_TEST_DEVICE") or "cpu"
     if name not in DEVICES:
         raise pytest.UsageError(f"--device must be one of {DEVICES}, got {name!r}")

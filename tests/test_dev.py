@@ -115,6 +115,30 @@ def test_the_newest_tier_runs_the_packages_own_tests_with_the_newest_python(dev,
     assert "torch 9.9" in rows[0][3]  # the summary names the newest versions
 
 
+def test_the_sweeps_run_once_in_the_newest_tier_when_there_is_one(dev, monkeypatch):
+    """With --newest the pinned tier deselects the sweeps (marked in tests/conftest.py) and the newest tier,
+    which selects every upstream test, runs them; without it the pinned tier runs them."""
+    assert dev.pinned_deselected(args(newest=True)) == ["-m", "not sweep"]
+    assert dev.pinned_deselected(args()) == [] and dev.pinned_detail(args()) == ""
+    assert "the sweeps (marked 'sweep') in the newest tier only" in dev.pinned_detail(args(newest=True))
+    monkeypatch.setattr(dev, "setup", lambda: 1.0)
+    monkeypatch.setattr(dev, "setup_newest", lambda: 2.0)
+    monkeypatch.setattr(dev, "installed_versions", lambda python: "torch 9.9")
+    runs = []
+    monkeypatch.setattr(dev, "run_pytest", lambda args, extra, env, which, junit, python=dev.PYTHON: (
+        runs.append((which, python)), (0, "1 passed"))[1])
+    for newest in (True, False):
+        runs.clear()
+        assert dev.check_quick(args(newest=newest), []) == 0
+        pinned = [which for which, python in runs if python == dev.PYTHON]
+        assert pinned == [[*dev.QUICK_IGNORES, *(["-m", "not sweep"] if newest else [])]]
+        assert [which for which, python in runs if python == dev.PYTHON_NEWEST] == (
+            [[*dev.QUICK_IGNORES, "-m", "upstream"]] if newest else [])
+    # the sweeps are upstream tests: the newest tier's `-m upstream` selects them
+    sweeps = (ROOT / "tests" / "test_hf_sweep.py").read_text(encoding="utf-8")
+    assert "pytestmark = pytest.mark.sweep" in sweeps and "test_hf_sweep.py" not in str(dev.QUICK_IGNORES)
+
+
 def test_a_failed_newest_set_up_fails_the_check_and_runs_no_tests(dev, monkeypatch):
     def fail():
         raise dev.subprocess.CalledProcessError(1, ["pip", "install"])

@@ -416,6 +416,7 @@ def _sweep_one(model_type: str, class_name: str, counting: _Counting, name: str)
     return ("equal" if max(gaps) < 1e-5 else "differs"), f"gap {max(gaps):.1e}"
 
 
+@pytest.mark.sweep  # with dev.py check --newest: in the newest tier only
 def test_every_decoder_equals_eager_or_refuses():
     """Every causal LM of transformers: equal to eager, or an error. Never a silent difference, and none dropped:
     each one this sweep does not build is built by tests/test_hf_sweep.py (a composite's text, or with the config

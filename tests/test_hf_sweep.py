@@ -45,6 +45,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.sweep  # with dev.py check --newest: in the newest tier only
 
 from test_hf_models import (  # noqa: E402
     MOVES, NAME, PAD, SMALL, VOCAB, _batch, _Counting, _gap, _logits, _sharpen, _tiny,
