@@ -1,17 +1,10 @@
 """attention_ref.linear against fla-core's naive references (flash-linear-attention), in a subprocess.
 
-fla-core installs on a CPU machine (``pip install --no-deps fla-core==0.6.0 einops``), but
-once ``fla`` is importable, transformers routes Qwen3-Next's and Kimi Linear's linear layers
-to fla's Triton kernels, which fail on a CPU ("0 active drivers"), and the model tests of this
-environment break. So fla never enters this environment: it is installed with ``pip
---target`` into a folder of its own, and a subprocess of this interpreter with that folder on
-``PYTHONPATH`` runs fla's plain PyTorch references. It loads the two ``naive.py`` files by
-path, so ``fla/__init__.py`` (which imports the Triton kernels) never runs. The inputs go to
-the subprocess and the outputs come back as a ``torch.save`` file; the comparison happens here.
-
-Slow (a pip install, about 10 s from a local wheel cache, and a second interpreter): runs only
-with ``ATTENTION_REF_SLOW_TESTS=1``. ``ATTENTION_REF_FLA_TARGET=DIR`` reuses a folder where
-that install already happened (it is created there if missing).
+fla-core lives in a folder of its own and runs in a subprocess that loads its ``naive.py`` files
+by path (why: ``tests/fla_core.py``). Slow (a pip install, about 10 s from a local wheel cache,
+and a second interpreter): runs only with ``ATTENTION_REF_SLOW_TESTS=1``;
+``ATTENTION_REF_FLA_TARGET=DIR`` reuses a folder where that install already happened (it is
+created there if missing).
 
 fla's references compute in float32 and apply neither the L2 normalisation nor a check of
 the gates, so q and k are normalised here first and attention_ref runs in float64 with
@@ -20,22 +13,16 @@ the gates, so q and k are normalised here first and attention_ref runs in float6
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from fla_core import install_fla, run_fla, slow  # tests/fla_core.py
 
 from attention_ref.linear import gated_delta_rule, gated_linear_attention, kimi_delta_attention, l2_normalize
 
-FLA_VERSION = "0.6.0"
-
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("ATTENTION_REF_SLOW_TESTS"),
-    reason="installs fla-core into a folder of its own and runs a subprocess: set ATTENTION_REF_SLOW_TESTS=1")
+pytestmark = slow
 
 RUNNER = textwrap.dedent("""
     import importlib.util, sys
@@ -84,14 +71,7 @@ RUNNER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def fla_target(tmp_path_factory) -> Path:
-    given = os.environ.get("ATTENTION_REF_FLA_TARGET")
-    target = Path(given) if given else tmp_path_factory.mktemp("fla-core")
-    if not (target / "fla" / "ops" / "kda" / "naive.py").exists():
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-             f"fla-core=={FLA_VERSION}", "einops"], check=False, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"pip install fla-core failed:\n{done.stderr[-2000:]}"
-    return target
+    return install_fla(tmp_path_factory)
 
 
 def _inputs(seed: int, B: int, L: int, H: int, Hv: int, E: int, Ev: int, per_channel: bool) -> dict:
@@ -114,13 +94,7 @@ def test_equal_to_fla_naive_references(fla_target, tmp_path):
               "simple_gla": _inputs(3, B=2, L=48, H=3, Hv=3, E=7, Ev=5, per_channel=False)}
     for name in ("gla", "simple_gla"):
         del inputs[name]["beta"]  # no delta term
-    torch.save(inputs, tmp_path / "inputs.pt")
-    env = {**os.environ, "PYTHONPATH": str(fla_target)}
-    done = subprocess.run([sys.executable, "-c", RUNNER, str(fla_target), str(tmp_path / "inputs.pt"),
-                           str(tmp_path / "outputs.pt")],
-                          check=False, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = torch.load(tmp_path / "outputs.pt")
+    theirs = run_fla(fla_target, RUNNER, inputs, tmp_path)
     f64 = {name: {n: t.double() for n, t in x.items()} for name, x in inputs.items()}
     ours = {"gdr": gated_delta_rule(**f64["gdr"], use_qk_l2norm=False, output_final_state=True),
             "kda": kimi_delta_attention(**f64["kda"], use_qk_l2norm=False, output_final_state=True),

@@ -6,7 +6,9 @@ chunk forced, the best ``topk - 1`` past chunks by gate (equal gates: the lower 
 softmax over the selected chunks' keys up to the query. Properties: ``topk`` at least the number
 of chunks, or ``topk = 1`` read as ``"full"``, is causal attention; ``topk = 1`` read as
 ``"block_local"`` is chunked causal attention; the efficient form (own chunk and past chunks
-merged by LSE) equals the one softmax, outputs and gradients. Sizes: B=2, H=6 (Hkv=3 with grouped
+merged by LSE) equals the one softmax, outputs and gradients. Planted bugs, each a piece of
+``attention_ref.moba`` swapped for a broken one while the test runs, must make the plain formula
+fail, and the untouched code must pass the same check. Sizes: B=2, H=6 (Hkv=3 with grouped
 heads: pairs of query heads share a key head), L=11, E=5, Ev=7, chunks of 3 (4 chunks, the last
 of 2 keys).
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attention_ref._inputs
+import attention_ref.moba
 from attention_ref import mods, scaled_dot_product_attention
 from attention_ref.moba import (
     moba_attention,
@@ -24,7 +28,7 @@ from attention_ref.moba import (
     moba_mask,
     moba_select,
 )
-from attention_ref.sparse import assert_topk_close
+from attention_ref.sparse import assert_topk_close, block_topk_attention
 
 B, H, L, E, Ev, C = 2, 6, 11, 5, 7, 3
 N = -(-L // C)  # 4 chunks
@@ -212,3 +216,64 @@ def test_keys_of_another_length_raise_naming_key():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"key must have S = L = 11 keys .* got key \(2, 6, 10, 5\) with S = 10"):
         moba_attention(q, k[..., :10, :], v[..., :10, :], chunk_size=C, topk=2)
+
+
+# Planted bugs: (module, name, replacement), swapped in while `moba_attention` runs; the check is
+# the plain formula with grouped heads (Hkv=3) and topk=2.
+
+
+def _gate_without_own_chunk(query, key, chunk_size, **kwargs):
+    """MoonshotAI's gate without its ``+inf`` line: the own chunk stays ``-inf``, never selected."""
+    gate = moba_gate(query, key, chunk_size, **kwargs)
+    return gate.masked_fill(gate == float("inf"), float("-inf"))
+
+
+def _gate_without_future_mask(query, key, chunk_size, *, enable_gqa=False, gate_dtype=torch.float32):
+    """MoonshotAI's gate without its ``-inf`` line: a chunk selectable before it ends, future chunks included.
+
+    (A chunk selectable from its own last query would not show: that query is in the chunk,
+    which is forced anyway. The only chunks that have not ended are the own and the future ones.)
+    """
+    gate = moba_gate(query, key, chunk_size, enable_gqa=enable_gqa, gate_dtype=gate_dtype)
+    if enable_gqa:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)  # (B, Hkv, L, E) -> (B, H, L, E)
+    means = torch.stack([key[..., a:a + chunk_size, :].mean(-2) for a in range(0, key.shape[-2], chunk_size)], dim=-2)
+    raw = query.to(gate_dtype) @ means.to(gate_dtype).transpose(-2, -1)  # (B, H, L, E) x (B, H, E, N) -> (B, H, L, N)
+    return torch.where(gate == float("-inf"), raw, gate)
+
+
+def _expand_with_repeat(query, kv, name):
+    """Grouped heads expanded with ``repeat``: query head ``h`` reads key head ``h % Hkv``, not ``h // G``."""
+    return kv.repeat(*[1] * (kv.dim() - 3), query.shape[-3] // kv.shape[-3], 1, 1)  # (..., Hkv, S, E) -> (..., H, S, E)
+
+
+PLANTED = {
+    "causal mask inside the own chunk dropped": (
+        attention_ref.moba, "block_topk_attention",
+        lambda *args, **kwargs: block_topk_attention(*args, **{**kwargs, "is_causal": False})),
+    "own chunk not forced": (attention_ref.moba, "moba_gate", _gate_without_own_chunk),
+    "a chunk selectable before it ends": (attention_ref.moba, "moba_gate", _gate_without_future_mask),
+    "repeat for repeat_interleave on grouped keys and values": (attention_ref._inputs, "expand_kv_heads",
+                                                                 _expand_with_repeat),
+}
+
+
+@pytest.fixture(scope="module")
+def plain_grouped():
+    """`_plain_moba` with grouped heads (Hkv=3), topk=2: ``(output, lse)``."""
+    return _plain_moba(*_qkv(3), C, 2)
+
+
+@pytest.mark.parametrize("bug", [pytest.param(None, id="the code as it is"), *PLANTED])
+def test_planted_bugs_fail_the_plain_formula_and_the_code_passes(plain_grouped, monkeypatch, bug):
+    def check():
+        out, lse = moba_attention(*_qkv(3), chunk_size=C, topk=2, enable_gqa=True, return_lse=True)
+        torch.testing.assert_close(out, plain_grouped[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, plain_grouped[1], rtol=1e-12, atol=1e-12)
+
+    if bug is None:
+        check()
+        return
+    monkeypatch.setattr(*PLANTED[bug])
+    with pytest.raises(AssertionError):
+        check()

@@ -7,9 +7,11 @@ softmax averaged over each key/value group's query heads, blocks 0, ``t // bs`` 
 quota; one causal softmax over the selected blocks; a window of ``w`` keys; the gated sum.
 Properties: one branch gated on is that branch; a query with no visible block gets 0 and
 ``lse = -inf``; forced blocks are always selected; the selection passes ``assert_topk_close``
-on its scores; gradients (gates included) pass ``gradcheck``. Sizes: B=2, H=6 query heads in
-Hkv=3 groups of 2, L=13 (blocks of 2: 7 blocks, the last of 1 token), E=5, Ev=7, 4 blocks per
-query, a window of 3.
+on its scores; gradients (gates included) pass ``gradcheck``. Planted bugs, each a piece of
+``attention_ref.nsa`` swapped for a broken one while the test runs, must make the plain formula
+fail, and the untouched code must pass the same check. Sizes: B=2, H=6 query heads in Hkv=3
+groups of 2, L=13 (blocks of 2: 7 blocks, the last of 1 token), E=5, Ev=7, 4 blocks per query,
+a window of 3. (Proof against fla's own references: ``tests/test_nsa_fla.py``, slow.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import itertools
 import pytest
 import torch
 
+import attention_ref._inputs
+import attention_ref.nsa
+from attention_ref.functional import attention_weights
 from attention_ref.nsa import (
     compress_blocks,
     compressed_attention,
@@ -27,7 +32,7 @@ from attention_ref.nsa import (
     selected_attention,
     window_attention,
 )
-from attention_ref.sparse import assert_topk_close
+from attention_ref.sparse import assert_topk_close, block_topk_attention
 
 B, H, Hkv, L, E, Ev = 2, 6, 3, 13, 5, 7
 BS, COUNT, W = 2, 4, 3
@@ -104,18 +109,89 @@ def _plain_nsa(q, k, v, g_cmp, g_slc, g_swa, count=COUNT, window=W, block_indice
     return out, branches, chosen
 
 
-def test_equals_the_plain_formula():
+@pytest.fixture(scope="module")
+def plain():
+    """`_plain_nsa` of the default inputs: ``(output, branches, selection)``."""
+    return _plain_nsa(*_inputs())
+
+
+def _assert_equals_plain(plain) -> None:
+    """``nsa_attention`` of the default inputs, its output and its selection, against the plain formula."""
     q, k, v, *gates = _inputs()
     out, indices = nsa_attention(q, k, v, *gates, block_size=BS, block_counts=COUNT, window_size=W,
                                  return_block_indices=True)
-    ref, _, chosen = _plain_nsa(q, k, v, *gates)
+    ref, _, chosen = plain
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     assert indices.shape == (B, Hkv, L, COUNT)
     for (b, g, t), blocks in chosen.items():
         assert indices[b, g, t].tolist() == blocks + [-1] * (COUNT - len(blocks)), (b, g, t)
-    free = [key for key, blocks in chosen.items() if len(blocks) == COUNT and set(blocks) - {0, key[2] // BS,
-                                                                                             key[2] // BS - 1}]
+
+
+def test_equals_the_plain_formula(plain):
+    _assert_equals_plain(plain)
+    free = [key for key, blocks in plain[2].items() if len(blocks) == COUNT and set(blocks) - {0, key[2] // BS,
+                                                                                               key[2] // BS - 1}]
     assert len(free) > 10  # the quota leaves room to choose: the test exercises the ranking
+
+
+# Planted bugs: (module, name, replacement), swapped in while `nsa_attention` runs.
+
+
+def _expand_with_repeat(query, kv, name):
+    """Grouped heads expanded with ``repeat``: query head ``h`` reads key head ``h % Hkv``, not ``h // G``."""
+    return kv.repeat(*[1] * (kv.dim() - 3), query.shape[-3] // kv.shape[-3], 1, 1)  # (..., Hkv, S, E) -> (..., H, S, E)
+
+
+def _selected_with_repeated_lists(query, key, value, block_indices, *, block_size, scale=None):
+    """The selected branch with the group's block lists handed to query heads by ``repeat``."""
+    per_head = block_indices.repeat(1, query.shape[-3] // key.shape[-3], 1, 1)  # (B, Hkv, L, k) -> (B, H, L, k)
+    return block_topk_attention(query, key, value, per_head, block_size, is_causal=True, scale=scale,
+                                enable_gqa=True)
+
+
+def _select_without_forced_blocks(query, key_cmp, *, block_size, block_counts, scale=None):
+    """The best ``block_counts`` visible blocks by the group mean, blocks 0, own and previous not forced."""
+
+    def visible(b, h, q_idx, kv_idx):
+        return (kv_idx + 1) * block_size - 1 <= q_idx
+
+    probs = attention_weights(query, key_cmp, mask_mod=visible, scale=scale, enable_gqa=True)  # (B, H, L, n)
+    scores = probs.unflatten(-3, (key_cmp.shape[-3], -1)).mean(-3)  # (B, Hkv, G, L, n) -> (B, Hkv, L, n)
+    t, c = torch.arange(query.shape[-2]).unsqueeze(-1), torch.arange(scores.shape[-1])
+    ranked = scores.masked_fill(~visible(None, None, t, c), float("-inf")).sort(dim=-1, descending=True, stable=True)
+    chosen = ranked.indices[..., :block_counts]
+    return chosen.masked_fill(ranked.values[..., :block_counts] == float("-inf"), -1)
+
+
+def _select_by_first_head(query, key_cmp, **kwargs):
+    """The selection scored by each group's first query head alone, not the group's mean."""
+    return select_blocks(query[..., ::G, :, :], key_cmp, **kwargs)  # (B, H, L, E) -> (B, Hkv, L, E)
+
+
+PLANTED = {
+    "causal mask inside a selected block dropped": (
+        attention_ref.nsa, "block_topk_attention",
+        lambda *args, **kwargs: block_topk_attention(*args, **{**kwargs, "is_causal": False})),
+    "forced blocks (first, own, previous) missing": (
+        attention_ref.nsa, "select_blocks", _select_without_forced_blocks),
+    "group mean replaced by the first head's scores": (attention_ref.nsa, "select_blocks", _select_by_first_head),
+    "a compressed block visible before it ends": (  # from its first token on: the own block leaks the future
+        attention_ref.nsa, "_visible", lambda block_size: lambda b, h, q_idx, kv_idx: kv_idx * block_size <= q_idx),
+    "repeat for repeat_interleave on grouped keys and values": (attention_ref._inputs, "expand_kv_heads",
+                                                                 _expand_with_repeat),
+    "repeat for repeat_interleave on the block lists": (
+        attention_ref.nsa, "selected_attention", _selected_with_repeated_lists),
+}
+
+
+@pytest.mark.parametrize("bug", [pytest.param(None, id="the code as it is"), *PLANTED])
+def test_planted_bugs_fail_the_plain_formula_and_the_code_passes(plain, monkeypatch, bug):
+    if bug is None:
+        _assert_equals_plain(plain)
+        return
+    monkeypatch.setattr(*PLANTED[bug])
+    with pytest.raises(AssertionError):
+        _assert_equals_plain(plain)
 
 
 @pytest.mark.parametrize("branch", ["cmp", "slc", "swa"])
