@@ -7,8 +7,11 @@ whatever the version, and judged plainly once it stops (a stand-in library with 
 planted bug, switched on and off, holds the rule to both). Adapters with planted bugs (a
 wrong scale, an ignored mask, GQA heads in the wrong order, the other causal
 alignment, an inverted boolean mask, a forgotten transpose) must be reported on
-exactly the cases that exercise the bug. ``torch.compile`` on CPU takes minutes:
-the compiled FlexAttention adapters run only with ``ATTENTION_REF_SLOW_TESTS=1``.
+exactly the cases that exercise the bug. The FP8 family likewise: the emulated FlashAttention-3
+path passes, and a descale applied twice or left out, K's and V's descales swapped, P saturating
+while the row sum counts it in full, per-head descales expanded with ``repeat`` fail every FP8
+case (the NSA and MoBA families: ``tests/test_conformance_sparse.py``). ``torch.compile`` on CPU
+takes minutes: the compiled FlexAttention adapters run only with ``ATTENTION_REF_SLOW_TESTS=1``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_ref import conformance
-from attention_ref.conformance import Adapter, KnownFailure, shipped
+from attention_ref import conformance, quant
+from attention_ref.conformance import Adapter, FP8Path, KnownFailure, shipped
 from attention_ref.conformance import adapter as adapter_module
 from attention_ref.conformance.runner import expected_failure
 from attention_ref.conformance.cases import FEATURES, SCENARIOS, by_id, matrix
@@ -371,6 +374,91 @@ def test_a_kernel_that_raises_is_an_error_not_a_crash():
 
     report = conformance.run(Adapter("broken", broken), select=["plain-float32-fwd-small"])
     assert [(r.status, r.detail) for r in report.results] == [("error", "RuntimeError: kernel launch failed")]
+
+
+# ---- the FP8 family: FlashAttention-3's path emulated passes, planted bugs fail every case -------------------
+
+
+def _fp8_kernel(p, q_descale=None, k_descale=None, v_descale=None, **p_path):
+    """`quant.fp8_attention` on the problem (bhld) with these descales (the problem's where None), P as
+    FlashAttention-3 rounds it unless ``p_path`` says otherwise, in the case's output dtype."""
+    descales = [p_d if d is None else d for p_d, d in zip((p.q_descale, p.k_descale, p.v_descale),
+                                                           (q_descale, k_descale, v_descale), strict=True)]
+    out = quant.fp8_attention(p.query, p.key, p.value, *descales, is_causal=p.causal is not None, scale=p.scale,
+                              enable_gqa=True, **{"p_format": "e4m3fn", **p_path})
+    return out.to(p.output_dtype)
+
+
+def _q_descale_by_repeat(p):
+    """Each query head's descale from the (B, Hkv) ones by ``repeat``: head h reads KV group h % Hkv's, not h // G's."""
+    H, Hkv = p.query.shape[1], p.key.shape[1]
+    per_head = p.q_descale.repeat(1, H // Hkv)  # (B, Hkv) -> (B, H), should be repeat_interleave
+    outs = [quant.fp8_attention(p.query[:, h:h + 1], p.key[:, kv:kv + 1], p.value[:, kv:kv + 1], per_head[:, h:h + 1],
+                                p.k_descale[:, kv:kv + 1], p.v_descale[:, kv:kv + 1], p_format="e4m3fn",
+                                is_causal=p.causal is not None, scale=p.scale)
+            for h, kv in ((h, h // (H // Hkv)) for h in range(H))]
+    return torch.cat(outs, dim=1).to(p.output_dtype)  # H x (B, 1, L, Ev) -> (B, H, L, Ev)
+
+
+FP8_PLANTED = {
+    "v descale applied twice": lambda p: _fp8_kernel(p, v_descale=p.v_descale * p.v_descale),
+    "q descale omitted": lambda p: _fp8_kernel(p, q_descale=torch.ones_like(p.q_descale)),
+    "k and v descales swapped": lambda p: _fp8_kernel(p, k_descale=p.v_descale, v_descale=p.k_descale),
+    # FlashAttention issue #2716: a row maximum 4 behind the offset 8, P up to 2^12 where e4m3fn ends at 448
+    "P saturating, the row sum counting it in full": lambda p: _fp8_kernel(p, p_offset_log2=12),
+    "per-head q descales by repeat, not repeat_interleave": _q_descale_by_repeat,
+}
+_FP8 = {"fp8", "gqa", "causal"}
+
+
+def test_the_fp8_cases_give_quantized_inputs_their_descales_and_the_output_dtype():
+    p = by_id("fp8-bfloat16-fwd-small").build().problem("blhd", requires_grad=False)
+    assert p.query.dtype == p.key.dtype == torch.float8_e4m3fn and p.output_dtype == torch.bfloat16
+    assert p.query.shape == (2, 5, 6, 16) and p.key.shape == (2, 129, 2, 16)  # (B, L, H, E), S one past a tile
+    assert p.q_descale.shape == p.k_descale.shape == (2, 2) and p.v_descale.dtype == torch.float32  # (B, Hkv)
+    assert (p.k_descale / p.v_descale).min() < 0.01 and (p.k_descale / p.v_descale).max() > 1  # far apart
+    causal = by_id("fp8_causal-float16-fwd-medium").build().problem("bhld", requires_grad=False)
+    assert causal.is_causal and causal.query.shape[-2] == causal.key.shape[-2] == 257
+    assert [len(matrix(size, ["fp8"])) for size in ("quick", "full")] == [6, 12]  # no bwd: fwd in 3 dtypes
+
+
+def test_the_emulated_flash_attention_3_path_passes_every_fp8_case():
+    adapter = shipped.attention_ref_fp8()
+    report = conformance.run(adapter)
+    assert adapter.families == ("fp8",) and report.ok, report.table()
+    assert [r.status for r in report.results] == ["passed"] * 6 and {r.scenario for r in report.results} == {
+        "fp8", "fp8_causal"}
+    unrounded_p = conformance.run(Adapter("p kept in float32", lambda p: _fp8_kernel(p, p_format=None),
+                                          supports=_FP8))  # a tighter kernel is inside the bound too
+    assert unrounded_p.ok, unrounded_p.table()
+
+
+def test_an_fp8_kernel_is_judged_by_the_path_its_adapter_declares():
+    """FlashAttention-4's e5m2 P rounds twice as coarsely as e4m3fn: out of FlashAttention-3's allowance on the
+    causal case (its first rows weigh few keys, each heavily), within its own everywhere."""
+    e5m2 = {"call": lambda p: _fp8_kernel(p, p_format="e5m2"), "supports": _FP8}
+    undeclared = conformance.run(Adapter("e5m2 P as if e4m3fn", **e5m2), select=lambda c: c.dtype == torch.float32)
+    assert {r.id: r.status for r in undeclared.results} == {"fp8-float32-fwd-small": "passed",
+                                                            "fp8_causal-float32-fwd-small": "failed"}
+    declared = conformance.run(Adapter("e5m2 P", **e5m2, fp8_path=FP8Path(p_format="e5m2")))
+    assert declared.ok, declared.table()
+    with pytest.raises(ValueError, match=r"p_offset_log2=10 scales P up to 2\^10 = 1024, above e4m3fn's largest "
+                                         r"value 448: .*issue #2716"):
+        FP8Path(p_offset_log2=10)
+    with pytest.raises(ValueError, match=r"p_format must be None or one of \['e4m3fn', 'e4m3fnuz', 'e5m2', "
+                                         r"'e5m2fnuz'\], got 'e4m3'"):
+        FP8Path(p_format="e4m3")
+    with pytest.raises(TypeError, match="adapter 'x': fp8_path must be an FP8Path, got dict"):
+        Adapter("x", lambda p: p.query, supports={"fp8"}, fp8_path={"p_format": "e5m2"})
+
+
+@pytest.mark.parametrize("name", sorted(FP8_PLANTED))
+def test_a_planted_fp8_bug_fails_every_fp8_case(name):
+    report = conformance.run(Adapter(f"planted: {name}", FP8_PLANTED[name], supports=_FP8))
+    assert [r.status for r in report.results] == ["failed"] * 6, report.table()
+    assert all(r.detail.startswith("assert_fp8_attention_close: ") and "breaks " in r.detail
+               for r in report.results), report.table()
+    assert report.summary().startswith(f"planted: {name} (quick, cpu): 6 failed")
 
 
 # ---- known failures: expected while their repro reproduces ----------------------------------------------

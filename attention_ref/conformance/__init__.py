@@ -24,22 +24,49 @@ causal aligned top-left (torch) and bottom-right (FlashAttention), sliding
 windows, chunked attention, documents, softcap, ALiBi, learned sinks, packed
 variable-length sequences, a paged KV cache; float32, float16 and bfloat16;
 forward and backward; dropout off. `FEATURES` lists the features by name.
+
+Beside it, three families of kernels with calls of their own
+(`attention_ref.conformance.families`): NSA (gates, block counts, a window),
+MoBA (chunks and their top-k) and FP8 (e4m3fn inputs with FlashAttention-3's
+descales, judged by `attention_ref.testing.assert_fp8_attention_close` with the
+adapter's `FP8Path`). An adapter claiming ``"nsa"``, ``"moba"`` or ``"fp8"`` in
+its ``supports`` runs those cases instead of the attention matrix::
+
+    adapter = conformance.Adapter("my-fp8", call, supports={"fp8", "gqa", "causal"})
+
 The adapters shipped with the package are in `attention_ref.conformance.shipped`.
 """
 
 from __future__ import annotations
 
-from attention_ref.conformance.adapter import Adapter, KnownFailure, ReproError, Unsupported, load_adapter
-from attention_ref.conformance.cases import FEATURES, SCENARIOS, Case, Problem, by_id, matrix
+from attention_ref.conformance.adapter import (
+    Adapter,
+    FP8Path,
+    KnownFailure,
+    ReproError,
+    Unsupported,
+    load_adapter,
+)
+from attention_ref.conformance.cases import (
+    FAMILIES,
+    FEATURES,
+    SCENARIOS,
+    Case,
+    Problem,
+    by_id,
+    matrix,
+)
 from attention_ref.conformance.report import CaseResult, Report, agreement_matrix
 from attention_ref.conformance.runner import check, run
 
 __all__ = [
+    "FAMILIES",
     "FEATURES",
     "SCENARIOS",
     "Adapter",
     "Case",
     "CaseResult",
+    "FP8Path",
     "KnownFailure",
     "Problem",
     "Report",

@@ -10,7 +10,10 @@ in the adapter's layout and its arguments) and returns the attention output::
     adapter = Adapter("mine", call, layout="blhd", supports={"causal", "backward"})
 
 The suite runs every case whose features the adapter supports, in the dtypes it
-lists, and skips the others with the reason. Known bugs are `KnownFailure`
+lists, and skips the others with the reason. An adapter that claims a family
+(``"nsa"``, ``"moba"``, ``"fp8"``: `attention_ref.conformance.families`) runs
+that family's cases instead of the attention matrix; an FP8 kernel says how it
+rounds on its way with an `FP8Path`. Known bugs are `KnownFailure`
 entries, each with a small repro of the bug run against the installed library:
 the case is expected to fail while the repro reproduces, whatever the version,
 and is judged plainly once it stops (the report then says the bug appears fixed
@@ -19,6 +22,7 @@ upstream).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import re
@@ -27,9 +31,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention_ref.conformance.cases import DTYPES, FEATURES, LAYOUTS, Case, Problem
+from attention_ref.conformance.cases import (
+    DTYPES,
+    FAMILIES,
+    FEATURES,
+    LAYOUTS,
+    Case,
+    Problem,
+)
+from attention_ref.testing import assert_fp8_attention_close
 
-__all__ = ["Adapter", "KnownFailure", "ReproError", "Unsupported", "forget_repro_results", "load_adapter",
+__all__ = ["Adapter", "FP8Path", "KnownFailure", "ReproError", "Unsupported", "forget_repro_results", "load_adapter",
            "version_tuple"]
 
 
@@ -215,6 +227,38 @@ class KnownFailure:
 
 
 @dataclass(frozen=True)
+class FP8Path:
+    """How an FP8 kernel rounds beyond its inputs: the keywords `attention_ref.testing.assert_fp8_attention_close`
+    judges its FP8 cases by. The defaults are FlashAttention-3's.
+
+    Attributes:
+        p_format: the format P is rounded to before the P·V product (``None``: P kept in float32).
+        p_offset_log2: ``c``: P is scaled so that its row maximum is ``2^c`` before rounding.
+        denominator: ``"unrounded"`` (the row sum of the float32 P) or ``"rounded"``.
+        accumulate_bits: the accumulators' significand bits (22 for FP8 tensor cores, ``None`` for float32's 24).
+        output_roundings: how many times the output is rounded to its dtype.
+
+    Raises:
+        ValueError, TypeError: what the checker refuses (named): an unknown format, an offset
+            above the format's largest value (FlashAttention issue #2716), ...
+
+    Example:
+        >>> FP8Path(p_format="e5m2")  # FlashAttention-4's other P format
+        FP8Path(p_format='e5m2', p_offset_log2=8.0, denominator='unrounded', accumulate_bits=22, output_roundings=1)
+    """
+
+    p_format: str | None = "e4m3fn"
+    p_offset_log2: float = 8.0
+    denominator: str = "unrounded"
+    accumulate_bits: int | None = 22
+    output_roundings: int = 1
+
+    def __post_init__(self) -> None:
+        one = torch.zeros(1, 1, 1, 1)  # the checker's argument checks, on one zero: a bad value raises, named
+        assert_fp8_attention_close(one, one, one, one, **dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
 class Adapter:
     """A kernel described for the conformance suite.
 
@@ -229,6 +273,8 @@ class Adapter:
             ``torch.func.functional_call``).
         supports: the features the kernel supports (keys of
             `attention_ref.conformance.FEATURES`); a case needing another is skipped.
+            Claiming a family (``"nsa"``, ``"moba"``, ``"fp8"``) runs its cases in
+            place of the attention matrix (`families`).
         layout: ``"bhld"`` (heads before positions, torch's) or ``"blhd"``
             (FlashAttention's): the layout of the tensors the call gets.
         output_layout: the layout of what the call returns; defaults to ``layout``
@@ -237,6 +283,7 @@ class Adapter:
         known_failures: bugs found, each with a repro that says whether it still shows.
         notes: why a feature is not supported, shown as the skip reason.
         description: one line for the report.
+        fp8_path: how the kernel rounds in the FP8 cases (FlashAttention-3's by default).
 
     Raises:
         ValueError: an unknown feature, layout or dtype.
@@ -251,6 +298,7 @@ class Adapter:
     known_failures: tuple[KnownFailure, ...] = ()
     notes: Mapping[str, str] = field(default_factory=dict, repr=False)
     description: str = ""
+    fp8_path: FP8Path = field(default_factory=FP8Path)
 
     def __post_init__(self) -> None:
         supports = frozenset(self.supports)
@@ -269,6 +317,21 @@ class Adapter:
             raise ValueError(f"adapter {self.name!r}: dtypes must be among {list(DTYPES)}, got {bad}")
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
         object.__setattr__(self, "known_failures", tuple(self.known_failures))
+        if not isinstance(self.fp8_path, FP8Path):
+            raise TypeError(f"adapter {self.name!r}: fp8_path must be an FP8Path, got {type(self.fp8_path).__name__}")
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The scenario families the adapter runs: those of `FAMILIES` it claims, else ``("attention",)``.
+
+        A family's kernel takes its own arguments (NSA's gates, FP8's descales), so
+        an adapter claiming one runs no case of the attention matrix.
+
+        Example:
+            >>> Adapter("x", lambda p: p.query, supports={"moba", "gqa"}).families
+            ('moba',)
+        """
+        return tuple(family for family in FAMILIES if family in self.supports) or ("attention",)
 
     def skip_reason(self, case: Case) -> str | None:
         """Why the adapter does not run ``case``, or ``None`` when it does."""

@@ -15,6 +15,13 @@ fails instead of passing. ``E = Ev = 16`` on the small shapes (the smallest head
 size the Triton kernel takes) and 64 on the medium ones; ``value_dim`` uses
 ``Ev = E / 2``. Dropout is off in every case.
 
+Beside the attention matrix stand the *families* NSA, MoBA and FP8: kernels
+with calls of their own, whose cases an adapter runs by claiming the family's
+feature (``"nsa"``, ``"moba"``, ``"fp8"``), and then instead of the attention
+matrix (`attention_ref.conformance.families` says what each case is judged
+as). ``matrix(size)`` is the attention matrix alone, as it always was;
+``matrix(size, families)`` adds or picks families.
+
 Shapes use the package legend: ``B`` batch, ``H`` query heads, ``Hkv`` key/value
 heads, ``L`` queries, ``S`` keys, ``E`` query/key size, ``Ev`` value size; packed
 (varlen) tensors are ``(H, T, E)`` with ``T`` the total length.
@@ -24,17 +31,24 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
 
-from attention_ref import mods
+from attention_ref import mods, quant
+from attention_ref.conformance.families import (
+    FAMILIES,
+    GATES,
+    moba_as_attention,
+    nsa_as_attention,
+    ranked_query_key,
+)
 from attention_ref.varlen import cu_seqlens_from_lengths, varlen_mask_mod
 
 __all__ = [
-    "DTYPES", "FEATURES", "LAYOUTS", "SCENARIOS", "SHAPES", "SIZES", "Case", "Inputs", "Problem", "Scenario",
-    "by_id", "matrix", "to_layout",
+    "DTYPES", "FAMILIES", "FEATURES", "LAYOUTS", "SCENARIOS", "SHAPES", "SIZES", "Case", "Inputs", "Problem",
+    "Scenario", "by_id", "matrix", "to_layout",
 ]
 
 #: Every feature a case can need, and what it means. An adapter lists those its
@@ -60,6 +74,14 @@ FEATURES: dict[str, str] = {
     "sinks": "learned sinks: exp(sinks[h]) in every row's softmax denominator (gpt-oss)",
     "varlen": "packed variable-length sequences with cu_seqlens (FlashAttention's varlen functions)",
     "paged": "a paged key/value cache with a block table and cache_seqlens (vLLM, flash_attn_with_kvcache)",
+    # the families: an adapter claiming one runs its cases instead of the attention matrix
+    "nsa": "the NSA family: Native Sparse Attention (attention_ref.nsa), compressed, selected and sliding-window "
+           "branches gated per query head and token; problem.block_size, block_counts, window_size, g_cmp, "
+           "g_slc, g_swa",
+    "moba": "the MoBA family: Mixture of Block Attention (attention_ref.moba), the own chunk and the top-k past "
+            "chunks, causal; problem.moba_chunk_size, moba_topk",
+    "fp8": "the FP8 family: e4m3fn query, key and value with FlashAttention-3's descales (B, Hkv); "
+           "problem.q_descale, k_descale, v_descale, output_dtype",
 }
 
 #: The layouts of query/key/value/output an adapter can ask for: heads before positions
@@ -86,13 +108,20 @@ class _Sizes:
     paged_lengths: tuple[int, int]
     block_size: int
     prefill: int  # new queries of a paged prefill step
+    sparse_length: int  # L == S of the NSA and MoBA cases
+    nsa_heads: tuple[int, int]  # (H, Hkv) of the NSA cases: H // Hkv = 16, as fla's NSA kernels need
+    nsa: tuple[int, int, int]  # (block_size, block_counts, window_size)
+    moba: tuple[int, int]  # (chunk_size, topk)
+    fp8_keys: int  # S of the FP8 cases: one past a tile of 128 keys (two tiles on the medium shapes)
 
 
 SHAPES: dict[str, _Sizes] = {
     "small": _Sizes(B=2, H=3, L=5, S=7, E=16, self_length=11, gqa=(6, 2), mqa=3, varlen_q=(3, 5, 2),
-                    varlen_k=(4, 6, 3), paged_lengths=(9, 5), block_size=4, prefill=3),
+                    varlen_k=(4, 6, 3), paged_lengths=(9, 5), block_size=4, prefill=3, sparse_length=29,
+                    nsa_heads=(32, 2), nsa=(3, 5, 5), moba=(4, 3), fp8_keys=129),
     "medium": _Sizes(B=2, H=5, L=61, S=97, E=64, self_length=127, gqa=(8, 2), mqa=5, varlen_q=(37, 61, 13),
-                     varlen_k=(41, 67, 29), paged_lengths=(211, 67), block_size=16, prefill=17),
+                     varlen_k=(41, 67, 29), paged_lengths=(211, 67), block_size=16, prefill=17, sparse_length=127,
+                     nsa_heads=(32, 2), nsa=(8, 6, 16), moba=(16, 3), fp8_keys=257),
 }
 
 
@@ -140,6 +169,23 @@ class Problem:
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx)``, ``True`` = takes part: causal,
             window, chunks, documents, varlen's block diagonal, the paged cache's lengths.
         dropout_p: always 0.0.
+        block_size: NSA: tokens per block, for compression and selection (fla's ``block_size``).
+        block_counts: NSA: blocks selected per query and key/value group, the
+            forced ones (first, own, previous) counted.
+        window_size: NSA: the sliding window, keys ``t - window_size + 1 .. t``.
+        g_cmp: NSA: ``(B, H, L)`` / ``(B, L, H)`` (fla's ``[B, T, H]``) in the case's
+            dtype, the compressed branch's gate after the sigmoid; here 0 or 1.
+        g_slc: NSA: the selected branch's gate, the same.
+        g_swa: NSA: the sliding-window branch's gate, the same. One of the three is 1
+            per query head and token.
+        moba_chunk_size: MoBA: keys per chunk (MoonshotAI's ``moba_chunk_size``).
+        moba_topk: MoBA: chunks per query, the own chunk counted (``moba_topk``, at least 2).
+        q_descale: FP8: float32 ``(B, Hkv)``, one per (batch, KV group of query
+            heads): FlashAttention-3's layout. ``query``, ``key`` and ``value`` are
+            then ``torch.float8_e4m3fn``, the quantized values.
+        k_descale: FP8: float32 ``(B, Hkv)``.
+        v_descale: FP8: float32 ``(B, Hkv)``.
+        output_dtype: FP8: the dtype the output is expected in (the case's dtype).
     """
 
     layout: str
@@ -165,6 +211,18 @@ class Problem:
     score_mod: mods.ScoreMod | None = None
     mask_mod: mods.MaskMod | None = None
     dropout_p: float = 0.0
+    block_size: int | None = None
+    block_counts: int | None = None
+    window_size: int | None = None
+    g_cmp: torch.Tensor | None = None
+    g_slc: torch.Tensor | None = None
+    g_swa: torch.Tensor | None = None
+    moba_chunk_size: int | None = None
+    moba_topk: int | None = None
+    q_descale: torch.Tensor | None = None
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
+    output_dtype: torch.dtype | None = None
     _mask_shape: tuple[int, int, int, int] = field(default=(1, 1, 1, 1), repr=False)
     _mask_beyond_causal: bool = field(default=False, repr=False)
 
@@ -229,6 +287,7 @@ class Scenario:
     low_precision_in_quick: bool = False  # also run in float16 and bfloat16 in the quick matrix
     backward: bool = True  # has a bwd direction (not the paged cache: decoding has no backward)
     description: str = ""
+    family: str = "attention"  # or one of FAMILIES, whose cases only the adapters claiming it run
 
 
 @dataclass(frozen=True)
@@ -274,17 +333,27 @@ class Inputs:
     reference_kwargs: dict  # the checker's attention arguments
     mask_shape: tuple[int, int, int, int]
     paged: dict | None = None  # the paged cases' key/value pools (key and value are the dense copies)
+    # NSA: the key and value the checker's one attention reads (the keys, then the compressed keys)
+    judged_key_value: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_spec(cls, spec: dict, dtype: torch.dtype, device: torch.device) -> Inputs:
         """The tensors of a scenario's spec in ``dtype`` on ``device``, its features as mods and arguments."""
         spec = dict(spec)
         to = {"dtype": dtype, "device": device}
-        query, key, value = (spec.pop(name).to(**to) for name in ("query", "key", "value"))
+        fp8 = spec.get("q_descale") is not None  # FP8 inputs stay as quantized; the dtype is the output's
+        query, key, value = (spec.pop(name).to(device) if fp8 else spec.pop(name).to(**to)
+                             for name in ("query", "key", "value"))
         mask = spec.pop("attn_mask", None)
         if mask is not None:
             mask = mask.to(device=device, dtype=mask.dtype if mask.dtype == torch.bool else dtype)
+        judged_as = spec.pop("judged_as", None)  # a family's form as one attention the checker judges
         args = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in spec.items()}
+        for name in GATES:  # NSA's gates in the inputs' dtype, as its kernels take them
+            if args.get(name) is not None:
+                args[name] = args[name].to(dtype)
+        if fp8:
+            args["output_dtype"] = dtype
         paged = args.pop("paged", None)
         mask_shape = args.pop("mask_shape")
         causal = args.get("causal")
@@ -325,10 +394,16 @@ class Inputs:
             "mask_mod": mask_mod,
             "sinks": args.get("sinks"),
         }
+        judged_key_value = None
+        if judged_as is not None:
+            judged_key, judged_value, more = judged_as(query, key, value, args)
+            reference.update(more)
+            if judged_key is not key or judged_value is not value:
+                judged_key_value = (judged_key, judged_value)
         if paged is not None:
             paged = {k: (v.to(**to) if v.is_floating_point() else v.to(device)) for k, v in paged.items()}
         return cls(query, key, value, args, {k: v for k, v in reference.items() if v is not None and v is not False},
-                   mask_shape, paged)
+                   mask_shape, paged, judged_key_value)
 
     def problem(self, layout: str, requires_grad: bool) -> Problem:
         """The adapter's view: tensors in ``layout``, fresh leaves (with gradients when asked)."""
@@ -336,6 +411,9 @@ class Inputs:
             return to_layout(t, layout).detach().clone().requires_grad_(requires_grad)
 
         arguments = dict(self.arguments)
+        for name in GATES:  # (B, H, L) -> (B, L, H) in "blhd": heads after positions, as in the tensors
+            if arguments.get(name) is not None and layout == "blhd":
+                arguments[name] = arguments[name].transpose(-2, -1).contiguous()
         if arguments.get("sinks") is not None:  # a leaf too: its gradient is judged in the bwd cases
             arguments["sinks"] = arguments["sinks"].detach().clone().requires_grad_(requires_grad)
 
@@ -593,6 +671,73 @@ def _paged_prefill(z, g):
     return _paged(z.prefill, True, z, g)
 
 
+# --- the families' scenarios (attention_ref.conformance.families: the ranks, what each is judged as) ----
+
+
+def _nsa(z, g):
+    """NSA on ``H // Hkv = 16`` heads per group (fla's kernels need a power of 2, at least 16), one branch per row."""
+    H, Hkv = z.nsa_heads
+    block_size, block_counts, window_size = z.nsa
+    L = z.sparse_length
+    signs = torch.ones(H)
+    signs[:: H // Hkv] = -0.25  # the first query head of each group ranks the blocks the other way, faintly
+    step = 3 * math.sqrt(z.E) / (-(-L // block_size) - 1)  # the scaled scores of the levels span 3
+    query, key = ranked_query_key(g, z.B, H, Hkv, L, z.E, block_size, signs, step)
+    branch = torch.randint(3, (z.B, H, L), generator=g)  # 0: compressed, 1: selected, 2: sliding window
+    gates = {name: (branch == i).float() for i, name in enumerate(GATES)}  # (B, H, L) each, 0 or 1
+    return {"query": query, "key": key, "value": _randn(g, z.B, Hkv, L, z.E), "enable_gqa": True,
+            "mask_shape": (z.B, H, L, L), "block_size": block_size, "block_counts": block_counts,
+            "window_size": window_size, **gates, "judged_as": nsa_as_attention}
+
+
+def _moba(H: int, Hkv: int, z: _Sizes, g: torch.Generator) -> dict:
+    chunk_size, topk = z.moba
+    L = z.sparse_length
+    signs = torch.randint(2, (z.B, H), generator=g) * 2.0 - 1.0  # each query head prefers high or low levels
+    query, key = ranked_query_key(g, z.B, H, Hkv, L, z.E, chunk_size, signs, math.sqrt(z.E) / 2)
+    return {"query": query, "key": key, "value": _randn(g, z.B, Hkv, L, z.E), "enable_gqa": Hkv != H,
+            "mask_shape": (z.B, H, L, L), "moba_chunk_size": chunk_size, "moba_topk": topk,
+            "judged_as": moba_as_attention}
+
+
+def _moba_heads(z, g):
+    return _moba(z.H, z.H, z, g)
+
+
+def _moba_gqa(z, g):
+    return _moba(*z.gqa, z, g)  # each query head gates with its key head's chunk means
+
+
+def _fp8(causal: bool, z: _Sizes, g: torch.Generator) -> dict:
+    """e4m3fn inputs with FlashAttention-3's descales: ``(B, Hkv)`` for Q (one per KV group), K and V.
+
+    KV head ``h``'s queries and values are ``10^(1.5 h)`` times larger and its
+    keys as much smaller (the scores unchanged), so the descales differ between
+    KV heads; keys are 3 times larger than values, so K's and V's descales differ.
+    """
+    H, Hkv = z.gqa
+    S = z.fp8_keys
+    L = S if causal else z.L
+    magnitude = 10.0 ** (1.5 * torch.arange(Hkv, dtype=torch.float64)).reshape(Hkv, 1, 1)  # (Hkv, 1, 1)
+    query = _randn(g, z.B, H, L, z.E).double() * magnitude.repeat_interleave(H // Hkv, dim=0)
+    key = 1.5 * _randn(g, z.B, Hkv, S, z.E).double() / magnitude
+    value = (0.5 * _randn(g, z.B, Hkv, S, z.E).double() + 0.25) * magnitude
+    q8, q_descale = quant.quantize_fp8(query, "e4m3fn", granularity="batch_kvhead", kv_heads=Hkv)
+    k8, k_descale = quant.quantize_fp8(key, "e4m3fn", granularity="batch_head")
+    v8, v_descale = quant.quantize_fp8(value, "e4m3fn", granularity="batch_head")
+    return {"query": quant.to_torch_float8(q8), "key": quant.to_torch_float8(k8), "value": quant.to_torch_float8(v8),
+            "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "enable_gqa": True,
+            "mask_shape": (z.B, H, L, S), "causal": "top_left" if causal else None}
+
+
+def _fp8_decode(z, g):
+    return _fp8(False, z, g)  # a few queries, S one past a tile of 128 keys
+
+
+def _fp8_prefill(z, g):
+    return _fp8(True, z, g)  # L = S one past a tile, causal
+
+
 def _scenario(name: str, build: Callable, features: set[str], description: str, **kw) -> Scenario:
     return Scenario(name, frozenset(features), build, description=description, **kw)
 
@@ -635,10 +780,21 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
               backward=False, low_precision_in_quick=True),
     _scenario("paged_prefill", _paged_prefill, {"paged", "causal_bottom_right"},
               "a few new tokens per sequence, causal bottom-right", backward=False),
+    # the families (attention_ref.conformance.families): run by the adapters that claim them, and only by them
+    _scenario("nsa", _nsa, {"nsa", "gqa"}, "NSA, 16 query heads per key/value head, one branch on per "
+              "query head and token", family="nsa", backward=False, low_precision_in_quick=True),
+    _scenario("moba", _moba_heads, {"moba"}, "MoBA, top 3 chunks, the last chunk short", family="moba",
+              low_precision_in_quick=True),
+    _scenario("moba_gqa", _moba_gqa, {"moba", "gqa"}, "MoBA on grouped key/value heads", family="moba",
+              low_precision_in_quick=True),
+    _scenario("fp8", _fp8_decode, {"fp8", "gqa"}, "e4m3fn inputs, FlashAttention-3's descales, S one past a tile",
+              family="fp8", backward=False, low_precision_in_quick=True),
+    _scenario("fp8_causal", _fp8_prefill, {"fp8", "gqa", "causal"}, "e4m3fn inputs, causal, L = S one "
+              "past a tile", family="fp8", backward=False, low_precision_in_quick=True),
 )}
 
 
-def matrix(size: str = "quick") -> list[Case]:
+def matrix(size: str = "quick", families: Collection[str] = ("attention",)) -> list[Case]:
     """The cases of a size, in a fixed order.
 
     ``"full"``: every scenario in float32, float16 and bfloat16, fwd and bwd, on
@@ -646,15 +802,28 @@ def matrix(size: str = "quick") -> list[Case]:
     scenario in float32 and the core ones also in float16 and bfloat16, fwd and bwd.
     Every quick case is a full case with the same id.
 
+    Args:
+        size: ``"quick"`` or ``"full"``.
+        families: ``"attention"`` (the attention matrix) and any of `FAMILIES`
+            (``"nsa"``, ``"moba"``, ``"fp8"``): the scenarios of these families,
+            in `SCENARIOS`' order. An adapter runs ``adapter.families``.
+
     Raises:
-        ValueError: an unknown size.
+        ValueError: an unknown size or family.
+
+    Examples:
+        >>> len(matrix("quick")), len(matrix("quick", ["moba"])), matrix("quick", ["fp8"])[0].id
+        (90, 12, 'fp8-float32-fwd-small')
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    if isinstance(families, str) or set(families) - {"attention", *FAMILIES}:
+        raise ValueError(f"families must be a collection of {['attention', *FAMILIES]}, got {families!r}")
     cases = []
     shapes = ("small",) if size == "quick" else ("small", "medium")
+    chosen = [scenario for scenario in SCENARIOS.values() if scenario.family in families]
     for shape in shapes:
-        for scenario in SCENARIOS.values():
+        for scenario in chosen:
             quick_low = size == "full" or scenario.low_precision_in_quick
             dtypes = DTYPES.values() if quick_low else (torch.float32,)
             for dtype in dtypes:
@@ -669,7 +838,7 @@ def by_id(case_id: str) -> Case:
     Raises:
         KeyError: no case has that id.
     """
-    for case in matrix("full"):
+    for case in matrix("full", ("attention", *FAMILIES)):
         if case.id == case_id:
             return case
     raise KeyError(f"no conformance case has the id {case_id!r}")

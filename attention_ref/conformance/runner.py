@@ -3,12 +3,17 @@
 Each case is judged by `attention_ref.testing.assert_attention_close`, with the
 tolerances it chooses (FlashAttention's rule: a kernel may be at most twice as
 far from the float64 reference as plain PyTorch in the inputs' own dtype). The
+NSA and MoBA cases are judged so too, as the one attention each equals
+(`attention_ref.conformance.families`); the FP8 cases by
+`attention_ref.testing.assert_fp8_attention_close`, against float64 attention of
+the dequantized inputs, with the allowance of the adapter's `FP8Path`. The
 suite never loosens them: a known bug is an expected failure while its repro
 still reproduces against the installed library (`attention_ref.conformance.KnownFailure`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import inspect
 import sys
@@ -20,6 +25,7 @@ import torch
 from attention_ref import testing
 from attention_ref.conformance.adapter import Adapter, KnownFailure, ReproError, Unsupported, load_adapter
 from attention_ref.conformance.cases import Case, Inputs, matrix, to_layout
+from attention_ref.conformance.families import fp8_format
 from attention_ref.conformance.report import CaseResult, Report
 from attention_ref.testing.arguments import ATTENTION_KWARGS
 
@@ -63,7 +69,9 @@ def check(adapter: Adapter | str, case: Case, device: torch.device | str = "cpu"
     The adapter's call gets the case's `attention_ref.conformance.cases.Problem`
     in its layout; its output (and, in a bwd case, its gradients for a seeded
     ``grad_output``) are put back in the canonical layout and given to
-    `attention_ref.testing.assert_attention_close` with the case's arguments.
+    `attention_ref.testing.assert_attention_close` with the case's arguments
+    (an NSA or MoBA case: the one attention it equals; an FP8 case: to
+    `attention_ref.testing.assert_fp8_attention_close`).
 
     Raises:
         AssertionError: the output or a gradient is out of bounds (the checker's
@@ -117,6 +125,10 @@ def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
             f"{adapter.name} returned shape {got} in layout {adapter.output_layout!r}, expected "
             f"{tuple(to_layout(torch.empty(expected_shape, device='meta'), adapter.output_layout).shape)}"
         )
+    if case.scenario.family == "fp8":
+        _check_fp8(adapter, inputs, actual.detach())
+        return
+    key, value = inputs.judged_key_value or (inputs.key, inputs.value)
     kwargs = dict(inputs.reference_kwargs)
     sinks = problem.sinks if case.backward and problem.sinks is not None else None
     unused: list[str] = []
@@ -132,7 +144,7 @@ def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
         grads = tuple(torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True))
         canonical = tuple(to_layout(g, adapter.layout) for g in grads[:3]) + grads[3:]  # dsinks is (H,)
         kwargs.update(grad_output=grad_output, actual_grads=canonical)
-    tensors = [actual.detach(), inputs.query, inputs.key, inputs.value]
+    tensors = [actual.detach(), inputs.query, key, value]
     if adapter.layout == adapter.output_layout != "bhld" and _checker_takes("layout"):
         # the checker takes the kernel's layout itself (and reports positions in it)
         tensors = [to_layout(t, adapter.layout) for t in tensors]
@@ -150,6 +162,15 @@ def _check(adapter: Adapter, case: Case, inputs: Inputs) -> None:
                           "module's own parameter, instead of the problem's tensor?); judged as 0 below\n"
                           f"{error.args[0] if error.args else ''}", *error.args[1:])
         raise
+
+
+def _check_fp8(adapter: Adapter, inputs: Inputs, actual: torch.Tensor) -> None:
+    """An FP8 case: the output against float64 attention of the dequantized inputs, the allowance the adapter's path's."""
+    args = inputs.arguments
+    testing.assert_fp8_attention_close(
+        actual, inputs.query, inputs.key, inputs.value, args["q_descale"], args["k_descale"], args["v_descale"],
+        fmt=fp8_format(inputs.query.dtype), is_causal=args.get("causal") is not None, scale=args.get("scale"),
+        enable_gqa=bool(args.get("enable_gqa")), **dataclasses.asdict(adapter.fp8_path))
 
 
 def _result(case: Case, status: str, detail: str, seconds: float) -> CaseResult:
@@ -230,6 +251,9 @@ def run(
 ) -> Report:
     """Run every case of ``size`` that the adapter supports; return the `Report`.
 
+    The cases are those of the adapter's families (``adapter.families``): the
+    attention matrix, or the NSA, MoBA and FP8 cases of an adapter claiming them.
+
     Args:
         adapter: an `Adapter`, or ``"package.module:name"`` of one.
         size: ``"quick"`` (the small shapes, low precision on the core scenarios)
@@ -254,7 +278,7 @@ def run(
         'torch-sdpa-math (quick, cpu): 1 passed in ... s'
     """
     adapter = load_adapter(adapter)
-    cases = matrix(size)
+    cases = matrix(size, adapter.families)
     if isinstance(select, str):  # one id: a str is iterable too, and its characters are no ids
         select = [select]
     if select is not None and not callable(select):

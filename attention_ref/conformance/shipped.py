@@ -21,6 +21,16 @@ boolean masks, FlexAttention's mods and block masks), as a user of it would.
 | `hf_flex_compiled` | ``flex_attention_forward`` as shipped (it compiles ``flex_attention``) | bhld in, blhd out |
 | `attention_ref_math`, `attention_ref_tiled`, `attention_ref_triton` | this package's backends | bhld |
 
+The families beyond the attention matrix (`attention_ref.conformance.families`) have
+adapters of their own, in `SHIPPED_FAMILIES`, apart from `SHIPPED` (whose adapters
+the full run and the Conformance page run on the attention matrix):
+
+| name | what it runs | layout |
+|---|---|---|
+| `attention_ref_nsa` | `attention_ref.nsa.nsa_attention` in float64 | bhld |
+| `attention_ref_moba` | `attention_ref.moba.moba_attention` in float64 | bhld |
+| `attention_ref_fp8` | `attention_ref.quant.fp8_attention` with ``p_format="e4m3fn"``: FlashAttention-3's FP8 path, emulated | bhld |
+
 Known bugs are `KnownFailure` entries, each with a small repro run against the installed
 library: expected to fail while it reproduces, judged plainly once it stops. Where torch's
 SDPA refuses an input under the one kernel asked for ("No available kernel": the CUDA flash
@@ -48,7 +58,11 @@ from attention_ref.conformance.cases import Problem
 __all__ = [
     "CUDA_ONLY",
     "SHIPPED",
+    "SHIPPED_FAMILIES",
+    "attention_ref_fp8",
     "attention_ref_math",
+    "attention_ref_moba",
+    "attention_ref_nsa",
     "attention_ref_tiled",
     "attention_ref_triton",
     "hf_eager",
@@ -602,6 +616,58 @@ def attention_ref_triton() -> Adapter:
                    description="attention_ref backend='triton'" + ("" if cuda else " (Triton's interpreter)"))
 
 
+# --- the families beyond the attention matrix ------------------------------------------------------------
+
+
+def _float64(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(torch.float64) for t in tensors]
+
+
+def _nsa_call(p: Problem) -> torch.Tensor:
+    from attention_ref.nsa import nsa_attention
+
+    out = nsa_attention(*_float64(p.query, p.key, p.value, p.g_cmp, p.g_slc, p.g_swa), block_size=p.block_size,
+                        block_counts=p.block_counts, window_size=p.window_size, scale=p.scale)
+    return out.to(p.query.dtype)
+
+
+def attention_ref_nsa() -> Adapter:
+    """This package's NSA reference, `attention_ref.nsa.nsa_attention`, in float64 (the NSA family)."""
+    return Adapter("attention_ref-nsa", _nsa_call, supports={"nsa", "gqa"},
+                   description="attention_ref.nsa.nsa_attention in float64")
+
+
+def _moba_call(p: Problem) -> torch.Tensor:
+    from attention_ref.moba import moba_attention
+
+    out = moba_attention(*_float64(p.query, p.key, p.value), chunk_size=p.moba_chunk_size, topk=p.moba_topk,
+                         scale=p.scale, enable_gqa=p.enable_gqa)
+    return out.to(p.query.dtype)
+
+
+def attention_ref_moba() -> Adapter:
+    """This package's MoBA reference, `attention_ref.moba.moba_attention`, in float64 (the MoBA family)."""
+    return Adapter("attention_ref-moba", _moba_call, supports={"moba", "gqa", "backward"},
+                   description="attention_ref.moba.moba_attention in float64")
+
+
+def _fp8_call(p: Problem) -> torch.Tensor:
+    from attention_ref.conformance.families import fp8_format
+    from attention_ref.quant import fp8_attention
+
+    out = fp8_attention(p.query, p.key, p.value, p.q_descale, p.k_descale, p.v_descale,
+                        fmt=fp8_format(p.query.dtype), p_format="e4m3fn", is_causal=p.causal is not None,
+                        scale=p.scale, enable_gqa=p.enable_gqa)  # (B, H, L, Ev) float64
+    return out.to(p.output_dtype)
+
+
+def attention_ref_fp8() -> Adapter:
+    """FlashAttention-3's FP8 path emulated: `attention_ref.quant.fp8_attention` with P rounded to e4m3fn at 2^8."""
+    return Adapter("attention_ref-fp8", _fp8_call, supports={"fp8", "gqa", "causal"},
+                   description="attention_ref.quant.fp8_attention, p_format='e4m3fn': FlashAttention-3's FP8 path, "
+                               "emulated in float64")
+
+
 #: The adapters whose kernel torch has on CUDA only (building one without CUDA raises RuntimeError).
 CUDA_ONLY = frozenset({"torch-sdpa-efficient", "torch-sdpa-cudnn"})
 
@@ -621,4 +687,11 @@ SHIPPED: dict[str, Callable[[], Adapter]] = {
     "attention_ref-math": attention_ref_math,
     "attention_ref-tiled": attention_ref_tiled,
     "attention_ref-triton": attention_ref_triton,
+}
+
+#: The shipped adapters of the families beyond the attention matrix, by name (`attention_ref.conformance.families`).
+SHIPPED_FAMILIES: dict[str, Callable[[], Adapter]] = {
+    "attention_ref-nsa": attention_ref_nsa,
+    "attention_ref-moba": attention_ref_moba,
+    "attention_ref-fp8": attention_ref_fp8,
 }

@@ -42,7 +42,7 @@ def _param(adapter: Adapter, case: Case) -> object:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         adapter = _adapter(metafunc.config)
-        cases = matrix(metafunc.config.getoption("attention_size", "quick"))
+        cases = matrix(metafunc.config.getoption("attention_size", "quick"), adapter.families)
         metafunc.parametrize("case", [_param(adapter, case) for case in cases])
 
 
