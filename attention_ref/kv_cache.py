@@ -267,6 +267,150 @@ def _gather_rows(pool: torch.Tensor, rows: torch.Tensor, B: int, Hkv: int, lengt
     return flat.index_select(0, rows).view(B, Hkv, length, pool.shape[3])
 
 
+def _check_cache_dtypes(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_descale: object, v_descale: object
+) -> tuple[str | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(fmt, k_descale, v_descale)``: the caches' FP8 format (``None`` for a float cache) and their descales.
+
+    A float cache has the query's dtype and device and takes no descales. An FP8 cache takes a
+    float query, both caches in one FP8 dtype on the query's device, and both descales, each
+    checked by `_scale` and returned as float32 ``()`` or ``(Hkv,)``.
+    """
+    fmt = _FP8_DTYPES.get(key_cache.dtype)
+    if fmt is None:  # a float cache: the query's dtype, no descales
+        _same_dtype_and_device("key_cache", key_cache, "query", query)
+        _same_dtype_and_device("value_cache", value_cache, "query", query)
+        for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if value is not None:
+                raise ValueError(f"{name} is for an FP8 cache, got {name}={value!r} with a key_cache of "
+                                 f"{key_cache.dtype}: leave it None")
+        return None, None, None
+    # an FP8 cache: a float query, both caches in one format, both descales
+    if query.dtype in _FP8_DTYPES:
+        raise TypeError(
+            f"query must have a float dtype (float16, bfloat16, float32, float64) with an FP8 cache, got "
+            f"{query.dtype}: pass the query (or its dequantized values), not FP8 bytes"
+        )
+    _same_dtype_and_device("value_cache", value_cache, "key_cache", key_cache)
+    if key_cache.device != query.device:
+        raise ValueError(f"key_cache must be on the same device as query ({query.device}), got {key_cache.device}")
+    missing = [name for name, value in (("k_descale", k_descale), ("v_descale", v_descale)) if value is None]
+    if missing:
+        raise ValueError(
+            f"{' and '.join(missing)} {'are' if len(missing) > 1 else 'is'} required with an FP8 cache "
+            f"(key_cache is {key_cache.dtype}): pass the cache's k_scale and v_scale, a number or (Hkv,) = "
+            f"({key_cache.shape[1]},) each"
+        )
+    return (fmt, _scale("k_descale", k_descale, key_cache.shape[1], query.device),
+            _scale("v_descale", v_descale, key_cache.shape[1], query.device))
+
+
+def _check_cache_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """The sizes the caches share with the query and each other, in either layout.
+
+    ``key_cache`` ends in the query's ``E``, ``value_cache`` matches ``key_cache`` in every dim but
+    the last, and the query's ``H`` is a multiple of ``Hkv`` (dim 1 of the caches). The batch is
+    checked by the caller: a paged pool's dim 0 is its blocks.
+    """
+    H, E = query.shape[1], query.shape[3]
+    Hkv = key_cache.shape[1]
+    if key_cache.shape[-1] != E:
+        raise ValueError(
+            f"key_cache must have the query's size E = {E} (dim -1), got shape {fmt_shape(key_cache.shape)}"
+        )
+    if value_cache.shape[:3] != key_cache.shape[:3]:
+        raise ValueError(
+            f"value_cache must match key_cache in every dim but the last: key_cache has shape "
+            f"{fmt_shape(key_cache.shape)}, value_cache has shape {fmt_shape(value_cache.shape)}"
+        )
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(
+            f"the query heads H = {H} must be a multiple of the key/value heads Hkv (key_cache dim 1), "
+            f"got Hkv = {Hkv}"
+        )
+
+
+def _check_block_table(block_table: object, B: int, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """``block_table`` checked: an integer tensor ``(B, max_blocks)`` on ``device``, indices in ``[0, num_blocks)``."""
+    block_table = require_int_tensor("block_table", block_table, "(B, max_blocks)", (2,), device=device)
+    if block_table.shape[0] != B:
+        raise ValueError(
+            f"block_table must have one row per sequence, (B, max_blocks) with B = {B}, "
+            f"got shape {fmt_shape(block_table.shape)}"
+        )
+    if block_table.numel():
+        low, high = int(block_table.min()), int(block_table.max())
+        if low < 0 or high >= num_blocks:
+            bad = low if low < 0 else high
+            where = (block_table == bad).nonzero()[0].tolist()
+            raise ValueError(
+                f"block_table must hold block indices in [0, num_blocks) = [0, {num_blocks}), "
+                f"got {bad} at block_table[{where[0]}, {where[1]}]"
+            )
+    return block_table
+
+
+def _check_cache_seqlens(cache_seqlens: object, B: int, Lq: int, capacity: int, device: torch.device,
+                         blocks: tuple[int, int] | None) -> tuple[torch.Tensor, int]:
+    """``(cache_seqlens, S)``: the lengths checked, and the longest, ``S = max(cache_seqlens)`` (0 when ``B = 0``).
+
+    Each length lies in ``[Lq, capacity]``: it counts the ``Lq`` new tokens, and the cache (or,
+    paged, the ``blocks = (max_blocks, block_size)`` of the block table) holds ``capacity`` positions.
+    """
+    cache_seqlens = require_int_tensor("cache_seqlens", cache_seqlens, "(B,)", shape=(B,), device=device)
+    if not B:
+        return cache_seqlens, 0
+    low, S = int(cache_seqlens.min()), int(cache_seqlens.max())
+    if low < 0:
+        raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {low}")
+    if S > capacity:
+        b = int(cache_seqlens.argmax())
+        if blocks is not None:
+            raise ValueError(
+                f"block_table is too short for cache_seqlens: its {blocks[0]} blocks of "
+                f"{blocks[1]} hold {capacity} positions, cache_seqlens[{b}] = {S}"
+            )
+        raise ValueError(
+            f"cache_seqlens must be at most the cache's length S_max = {capacity} (key_cache dim 2), "
+            f"got cache_seqlens[{b}] = {S}"
+        )
+    if low < Lq:
+        raise ValueError(
+            f"cache_seqlens must be at least the number of new queries Lq = {Lq} (they are "
+            f"counted in it), got a minimum of {low}"
+        )
+    return cache_seqlens, S
+
+
+def _gather_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                  S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``S`` positions of each sequence of a paged pool: ``(B, Hkv, S, E)`` and ``(B, Hkv, S, Ev)``, copies."""
+    B, Hkv, block_size = block_table.shape[0], key_cache.shape[1], key_cache.shape[2]
+    n = -(-S // block_size)  # blocks that hold the first S positions
+    blocks = block_table[:, :n]  # (B, n)
+    heads = torch.arange(Hkv, device=block_table.device)
+    # Row (block, g) of the pool seen as (num_blocks * Hkv, block_size, E) is block * Hkv + g:
+    # the rows of head g of each sequence's blocks, in order, (B, 1, n) and (1, Hkv, 1) -> (B, Hkv, n)
+    rows = (blocks[:, None, :] * Hkv + heads[None, :, None]).flatten()  # (B * Hkv * n,)
+    keys = _gather_rows(key_cache, rows, B, Hkv, n * block_size)[:, :, :S]  # (B, Hkv, S, E)
+    values = _gather_rows(value_cache, rows, B, Hkv, n * block_size)[:, :, :S]  # (B, Hkv, S, Ev)
+    return keys, values
+
+
+def _zero_past_lengths(keys: torch.Tensor, values: torch.Tensor,
+                       cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys`` and ``values`` ``(B, Hkv, S, E|Ev)`` with 0 in the slots ``>= cache_seqlens[b]`` (even over NaN).
+
+    ``torch.where``, not a product: ``0 * NaN`` is NaN, and a stale or uninitialised slot may hold one.
+    """
+    S = keys.shape[2]
+    valid = torch.arange(S, device=keys.device) < cache_seqlens[:, None]  # (B, S)
+    keep = valid[:, None, :, None]  # (B, 1, S, 1): broadcasts over heads and E
+    keys = torch.where(keep, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return keys, values
+
+
 def attention_with_kv_cache(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -404,69 +548,17 @@ def attention_with_kv_cache(
     v_layout = "(num_blocks, Hkv, block_size, Ev)" if paged else "(B, Hkv, S_max, Ev)"
     key_cache = _float_4d("key_cache", key_cache, k_layout)
     value_cache = _float_4d("value_cache", value_cache, v_layout)
-    fmt = _FP8_DTYPES.get(key_cache.dtype)
-    if fmt is None:  # a float cache: the query's dtype, no descales
-        _same_dtype_and_device("key_cache", key_cache, "query", query)
-        _same_dtype_and_device("value_cache", value_cache, "query", query)
-        for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
-            if value is not None:
-                raise ValueError(f"{name} is for an FP8 cache, got {name}={value!r} with a key_cache of "
-                                 f"{key_cache.dtype}: leave it None")
-    else:  # an FP8 cache: a float query, both caches in one format, both descales
-        if query.dtype in _FP8_DTYPES:
-            raise TypeError(
-                f"query must have a float dtype (float16, bfloat16, float32, float64) with an FP8 cache, got "
-                f"{query.dtype}: pass the query (or its dequantized values), not FP8 bytes"
-            )
-        _same_dtype_and_device("value_cache", value_cache, "key_cache", key_cache)
-        if key_cache.device != query.device:
-            raise ValueError(f"key_cache must be on the same device as query ({query.device}), got {key_cache.device}")
-        missing = [name for name, value in (("k_descale", k_descale), ("v_descale", v_descale)) if value is None]
-        if missing:
-            raise ValueError(
-                f"{' and '.join(missing)} {'are' if len(missing) > 1 else 'is'} required with an FP8 cache "
-                f"(key_cache is {key_cache.dtype}): pass the cache's k_scale and v_scale, a number or (Hkv,) = "
-                f"({key_cache.shape[1]},) each"
-            )
-        k_descale = _scale("k_descale", k_descale, key_cache.shape[1], query.device)
-        v_descale = _scale("v_descale", v_descale, key_cache.shape[1], query.device)
+    fmt, k_descale, v_descale = _check_cache_dtypes(query, key_cache, value_cache, k_descale, v_descale)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    B, H, Lq, E = query.shape
-    Hkv = key_cache.shape[1]
-    if key_cache.shape[-1] != E:
-        raise ValueError(
-            f"key_cache must have the query's size E = {E} (dim -1), got shape {fmt_shape(key_cache.shape)}"
-        )
-    if value_cache.shape[:3] != key_cache.shape[:3]:
-        raise ValueError(
-            f"value_cache must match key_cache in every dim but the last: key_cache has shape "
-            f"{fmt_shape(key_cache.shape)}, value_cache has shape {fmt_shape(value_cache.shape)}"
-        )
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(
-            f"the query heads H = {H} must be a multiple of the key/value heads Hkv (key_cache dim 1), "
-            f"got Hkv = {Hkv}"
-        )
+    B, H, Lq, _ = query.shape
+    _check_cache_shapes(query, key_cache, value_cache)
     if sinks is not None:
         check_sinks(sinks, H, query, rows=(B, H, Lq))  # per query head (dim 1), not per key/value head, or per query
     if paged:
         num_blocks, _, block_size, _ = key_cache.shape
-        block_table = require_int_tensor("block_table", block_table, "(B, max_blocks)", (2,), device=query.device)
-        if block_table.shape[0] != B:
-            raise ValueError(
-                f"block_table must have one row per sequence, (B, max_blocks) with B = {B}, "
-                f"got shape {fmt_shape(block_table.shape)}"
-            )
-        if block_table.numel():
-            low, high = int(block_table.min()), int(block_table.max())
-            if low < 0 or high >= num_blocks:
-                bad = low if low < 0 else high
-                where = (block_table == bad).nonzero()[0].tolist()
-                raise ValueError(
-                    f"block_table must hold block indices in [0, num_blocks) = [0, {num_blocks}), "
-                    f"got {bad} at block_table[{where[0]}, {where[1]}]"
-                )
+        block_table = _check_block_table(block_table, B, num_blocks, query.device)
+        blocks = (block_table.shape[1], block_size)
         capacity = block_table.shape[1] * block_size
     else:
         if key_cache.shape[0] != B:
@@ -474,50 +566,19 @@ def attention_with_kv_cache(
                 f"key_cache must have the query's batch B = {B} (dim 0), got shape {fmt_shape(key_cache.shape)}"
                 " (for a paged pool, pass block_table)"
             )
-        capacity = key_cache.shape[2]
-    cache_seqlens = require_int_tensor("cache_seqlens", cache_seqlens, "(B,)", shape=(B,), device=query.device)
-    S = 0
-    if B:
-        low, S = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if low < 0:
-            raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {low}")
-        if S > capacity:
-            b = int(cache_seqlens.argmax())
-            if paged:
-                raise ValueError(
-                    f"block_table is too short for cache_seqlens: its {block_table.shape[1]} blocks of "
-                    f"{block_size} hold {capacity} positions, cache_seqlens[{b}] = {S}"
-                )
-            raise ValueError(
-                f"cache_seqlens must be at most the cache's length S_max = {capacity} (key_cache dim 2), "
-                f"got cache_seqlens[{b}] = {S}"
-            )
-        if low < Lq:
-            raise ValueError(
-                f"cache_seqlens must be at least the number of new queries Lq = {Lq} (they are "
-                f"counted in it), got a minimum of {low}"
-            )
+        blocks, capacity = None, key_cache.shape[2]
+    cache_seqlens, S = _check_cache_seqlens(cache_seqlens, B, Lq, capacity, query.device, blocks)
 
     if paged:
-        n = -(-S // block_size)  # blocks that hold the first S positions
-        blocks = block_table[:, :n]  # (B, n)
-        heads = torch.arange(Hkv, device=query.device)
-        # Row (block, g) of the pool seen as (num_blocks * Hkv, block_size, E) is block * Hkv + g:
-        # the rows of head g of each sequence's blocks, in order, (B, 1, n) and (1, Hkv, 1) -> (B, Hkv, n)
-        rows = (blocks[:, None, :] * Hkv + heads[None, :, None]).flatten()  # (B * Hkv * n,)
-        keys = _gather_rows(key_cache, rows, B, Hkv, n * block_size)[:, :, :S]  # (B, Hkv, S, E)
-        values = _gather_rows(value_cache, rows, B, Hkv, n * block_size)[:, :, :S]  # (B, Hkv, S, Ev)
+        keys, values = _gather_paged(key_cache, value_cache, block_table, S)  # (B, Hkv, S, E|Ev), copies
     else:
         keys, values = key_cache[:, :, :S], value_cache[:, :, :S]  # views (B, Hkv, S, E|Ev)
     if fmt is not None:
         # x8 * descale, exact in float64, then the query's dtype: (B, Hkv, S, E|Ev) each
         keys = dequantize_fp8(keys, k_descale, _granularity(k_descale)).to(query.dtype)
         values = dequantize_fp8(values, v_descale, _granularity(v_descale)).to(query.dtype)
-    if B and int(cache_seqlens.min()) < S:  # zero the slots past a sequence's length (0 * NaN = NaN)
-        valid = torch.arange(S, device=query.device) < cache_seqlens[:, None]  # (B, S)
-        keep = valid[:, None, :, None]  # (B, 1, S, 1): broadcasts over heads and E
-        keys = torch.where(keep, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
-        values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    if B and int(cache_seqlens.min()) < S:  # zero the slots past a sequence's length
+        keys, values = _zero_past_lengths(keys, values, cache_seqlens)
     if block_mask is None:
         mask_mod = _cache_mask(cache_seqlens, Lq, is_causal)
     else:

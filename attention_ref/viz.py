@@ -1055,6 +1055,135 @@ def _explorer_json(model: dict[str, Any], initial: list[int | None]) -> dict[str
     return data
 
 
+def _explorer_other_model(name: object, spec: object) -> dict[str, Any]:
+    """One entry of ``other_models``, checked: its model, with its ``initial_token`` and caption."""
+    if not isinstance(name, str) or not isinstance(spec, Mapping):
+        raise TypeError(f"other_models must map a str name to a mapping, got {name!r}: {type(spec).__name__}")
+    unknown = sorted(set(spec) - _EXPLORER_MODEL_KEYS - {"initial_token"})
+    if unknown or "sentences" not in spec:
+        raise TypeError(
+            f"other_models[{name!r}] takes the keys {sorted(_EXPLORER_MODEL_KEYS | {'initial_token'})} "
+            f"with 'sentences' required, got unknown keys {unknown}" if unknown else
+            f"other_models[{name!r}] needs the key 'sentences'"
+        )
+    model = _explorer_model(name, spec["sentences"], None, spec.get("scores"), spec.get("scale"),
+                            spec.get("causal", False), spec.get("head_names"), spec.get("layer_names"))
+    model["initial_token"] = spec.get("initial_token")
+    model["caption"] = _explorer_caption(f"other_models[{name!r}] caption", spec.get("caption"))
+    return model
+
+
+def _explorer_initial_tokens(model: dict[str, Any], value: object, opened: int, several: bool,
+                             where: str) -> list[int | None]:
+    """The token selected first in each of ``model``'s sentences, checked (``None``: none).
+
+    An int (or ``None``) is the token of the sentence ``opened``, the others get ``None``; with
+    ``several`` sentences to choose from, a sequence gives one entry per sentence. ``where``
+    prefixes the argument's name in the messages (``""`` for the first model).
+    """
+    items = model["items"]
+    if value is None or isinstance(value, (int, bool)):
+        initial = [None] * len(items)
+        initial[opened] = value
+    elif several and isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != len(items):
+            raise ValueError(f"initial_token must have one entry per sentence ({len(items)}), got {len(value)}")
+        initial = list(value)
+    else:
+        raise ValueError(f"initial_token must be None or an int, got {value!r}")
+    for s, ((_, toks, _, _), first) in enumerate(zip(items, initial)):
+        name = "initial_token" if len(items) == 1 else f"initial_token for sentence {s}"
+        _explorer_index(where + name, first, len(toks), allow_none=True)
+    return initial
+
+
+def _explorer_element_id(element_id: object, payload: str) -> str:
+    """The container's id, checked: the one given, or ``attention-explorer-`` and a hash of ``payload``."""
+    if element_id is None:
+        element_id = "attention-explorer-" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:10]
+    if not isinstance(element_id, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", element_id):
+        raise ValueError(
+            f"element_id must start with a letter and hold only letters, digits, '-' and '_', got {element_id!r}"
+        )
+    return element_id
+
+
+def _explorer_menu(element_id: str, kind: str, label: str, names: list[str], selected: int) -> str:
+    """A labelled ``<select>`` of ``names`` (``kind``: model, sentence, layer or head), ``selected`` chosen."""
+    esc = html.escape
+    options = "".join(
+        f'<option value="{i}"{" selected" if i == selected else ""}>{esc(name)}</option>'
+        for i, name in enumerate(names)
+    )
+    return (
+        f'<span class="attention-explorer-menu attention-explorer-menu-{kind}">'
+        f'<label for="{element_id}-{kind}">{label}</label>'
+        f'<select id="{element_id}-{kind}" class="attention-explorer-{kind}">{options}</select></span>'
+    )
+
+
+def _explorer_markup(element_id: str, payload: str, models: list[dict[str, Any]], initial_sentence: int,
+                     initial_layer: int, initial_head: int) -> str:
+    """The explorer's HTML: the container holding ``payload``, the caption, menus, tokens and empty panels.
+
+    The menus, the tokens and the caption are those of the first model, as the page loads: the
+    sentence menu shows when there are several sentences or models, the layer menu when there are
+    several layers or models, the model menu with several models.
+    """
+    esc = html.escape
+    main = models[0]
+    items, layers, heads = main["items"], main["layers"], main["heads"]
+    several = len(models) > 1
+    shown = items[initial_sentence][1]
+    buttons = "".join(
+        f'<button type="button" class="attention-explorer-token" data-index="{i}" aria-pressed="false">'
+        f"{esc(token)}</button>"
+        for i, token in enumerate(shown)
+    )
+    direction = "".join(
+        f'<button type="button" class="attention-explorer-direction-button" data-direction="{key}" '
+        f'aria-pressed="{"true" if key == "to" else "false"}">{text}</button>'
+        for key, text in (("to", "attends to"), ("by", "is attended by"))
+    )
+    parts = [
+        f'<div class="attention-explorer" id="{element_id}" data-attention="{esc(payload, quote=True)}">',
+        # the first model's caption; the script swaps in the chosen model's (hidden: none)
+        f'<p class="attention-explorer-caption">{esc(main["caption"])}</p>' if main["caption"] else
+        '<p class="attention-explorer-caption" hidden></p>' if any(m["caption"] for m in models) else "",
+        '<div class="attention-explorer-controls">',
+        _explorer_menu(element_id, "model", "Model", [m["name"] for m in models], 0) if several else "",
+        _explorer_menu(element_id, "sentence", "Sentence", [text for text, *_ in items], initial_sentence)
+        if several or len(items) > 1 else "",
+        _explorer_menu(element_id, "layer", "Layer", layers, initial_layer) if several or len(layers) > 1 else "",
+        _explorer_menu(element_id, "head", "Head", heads, initial_head),
+        "</div>",
+        (
+            '<div class="attention-explorer-tokens" role="group" aria-label="Tokens: pick one to see its attention">'
+            f"{buttons}</div>"
+        ),
+        (
+            '<div class="attention-explorer-direction" role="group" aria-label="Direction">'
+            f'<span class="attention-explorer-direction-label">The chosen token</span>{direction}</div>'
+        ),
+        (
+            f'<p class="attention-explorer-status" id="{element_id}-status" aria-live="polite">'
+            "Click a token, or move to it with Tab, to see its attention weights over all tokens.</p>"
+        ),
+        f'<div class="attention-explorer-steps" aria-labelledby="{element_id}-status"></div>',
+        (
+            '<div class="attention-explorer-overview">'
+            '<p class="attention-explorer-legend">All heads: a row per layer, a column per head; in each map '
+            "a row per query token and a column per key token. Each map is shaded to its own largest weight "
+            "(darkest = that head's maximum), so faint heads stay visible: compare heads by the numbers above, "
+            "not by shade. The chosen token's row (or column) is outlined; click a map to open that head.</p>"
+            '<div class="attention-explorer-thumbs" role="group" aria-label="Every layer and head: '
+            'pick one to open it"></div></div>'
+        ),
+        "</div>",
+    ]
+    return "".join(parts) + "\n"
+
+
 def explorer_html(
     tokens: Sequence[str] | None = None,
     weights: object = None,
@@ -1203,125 +1332,26 @@ def explorer_html(
     if other_models is not None:
         if not isinstance(other_models, Mapping):
             raise TypeError(f"other_models must be a mapping from a name to a mapping, got {type(other_models).__name__}")
-        for name, spec in other_models.items():
-            if not isinstance(name, str) or not isinstance(spec, Mapping):
-                raise TypeError(f"other_models must map a str name to a mapping, got {name!r}: {type(spec).__name__}")
-            unknown = sorted(set(spec) - _EXPLORER_MODEL_KEYS - {"initial_token"})
-            if unknown or "sentences" not in spec:
-                raise TypeError(
-                    f"other_models[{name!r}] takes the keys {sorted(_EXPLORER_MODEL_KEYS | {'initial_token'})} "
-                    f"with 'sentences' required, got unknown keys {unknown}" if unknown else
-                    f"other_models[{name!r}] needs the key 'sentences'"
-                )
-            model = _explorer_model(name, spec["sentences"], None, spec.get("scores"), spec.get("scale"),
-                                    spec.get("causal", False), spec.get("head_names"), spec.get("layer_names"))
-            model["initial_token"] = spec.get("initial_token")
-            model["caption"] = _explorer_caption(f"other_models[{name!r}] caption", spec.get("caption"))
-            models.append(model)
+        models += [_explorer_other_model(name, spec) for name, spec in other_models.items()]
         main["name"] = model_name or "model 0"
     main["caption"] = _explorer_caption("caption", caption)
-    items, layers, heads = main["items"], main["layers"], main["heads"]
-    _explorer_index("initial_sentence", initial_sentence, len(items))
-    _explorer_index("initial_layer", initial_layer, len(layers))
-    _explorer_index("initial_head", initial_head, len(heads))
-
-    def initial_tokens(model: dict[str, Any], value: object, opened: int, several: bool) -> list[int | None]:
-        items = model["items"]
-        if value is None or isinstance(value, (int, bool)):
-            initial = [None] * len(items)
-            initial[opened] = value
-        elif several and isinstance(value, Sequence) and not isinstance(value, str):
-            if len(value) != len(items):
-                raise ValueError(f"initial_token must have one entry per sentence ({len(items)}), got {len(value)}")
-            initial = list(value)
-        else:
-            raise ValueError(f"initial_token must be None or an int, got {value!r}")
-        for s, ((_, toks, _, _), first) in enumerate(zip(items, initial)):
-            name = "initial_token" if len(items) == 1 else f"initial_token for sentence {s}"
-            if model is not main:
-                name = f"other_models[{model['name']!r}] {name}"
-            _explorer_index(name, first, len(toks), allow_none=True)
-        return initial
-
+    _explorer_index("initial_sentence", initial_sentence, len(main["items"]))
+    _explorer_index("initial_layer", initial_layer, len(main["layers"]))
+    _explorer_index("initial_head", initial_head, len(main["heads"]))
+    # each model's first tokens, then its JSON, model by model
+    packed = [_explorer_json(main, _explorer_initial_tokens(main, initial_token, initial_sentence,
+                                                            sentences is not None, ""))]
+    for model in models[1:]:
+        where = f"other_models[{model['name']!r}] "
+        packed.append(_explorer_json(model, _explorer_initial_tokens(model, model["initial_token"], 0, True, where)))
     data = {
         "model": 0,
         "start": {"sentence": initial_sentence, "layer": initial_layer, "head": initial_head},
-        "models": [
-            _explorer_json(model, initial_tokens(model, initial_token if model is main else model["initial_token"],
-                                                 initial_sentence if model is main else 0,
-                                                 sentences is not None or model is not main))
-            for model in models
-        ],
+        "models": packed,
     }
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    if element_id is None:
-        element_id = "attention-explorer-" + hashlib.sha256(payload.encode("utf-8")).hexdigest()[:10]
-    if not isinstance(element_id, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", element_id):
-        raise ValueError(
-            f"element_id must start with a letter and hold only letters, digits, '-' and '_', got {element_id!r}"
-        )
-    esc = html.escape
-
-    def menu(kind: str, label: str, names: list[str], selected: int) -> str:
-        options = "".join(
-            f'<option value="{i}"{" selected" if i == selected else ""}>{esc(name)}</option>'
-            for i, name in enumerate(names)
-        )
-        return (
-            f'<span class="attention-explorer-menu attention-explorer-menu-{kind}">'
-            f'<label for="{element_id}-{kind}">{label}</label>'
-            f'<select id="{element_id}-{kind}" class="attention-explorer-{kind}">{options}</select></span>'
-        )
-
-    several = len(models) > 1
-    shown = items[initial_sentence][1]
-    buttons = "".join(
-        f'<button type="button" class="attention-explorer-token" data-index="{i}" aria-pressed="false">'
-        f"{esc(token)}</button>"
-        for i, token in enumerate(shown)
-    )
-    direction = "".join(
-        f'<button type="button" class="attention-explorer-direction-button" data-direction="{key}" '
-        f'aria-pressed="{"true" if key == "to" else "false"}">{text}</button>'
-        for key, text in (("to", "attends to"), ("by", "is attended by"))
-    )
-    parts = [
-        f'<div class="attention-explorer" id="{element_id}" data-attention="{esc(payload, quote=True)}">',
-        # the first model's caption; the script swaps in the chosen model's (hidden: none)
-        f'<p class="attention-explorer-caption">{esc(main["caption"])}</p>' if main["caption"] else
-        '<p class="attention-explorer-caption" hidden></p>' if any(m["caption"] for m in models) else "",
-        '<div class="attention-explorer-controls">',
-        menu("model", "Model", [m["name"] for m in models], 0) if several else "",
-        menu("sentence", "Sentence", [text for text, *_ in items], initial_sentence)
-        if several or len(items) > 1 else "",
-        menu("layer", "Layer", layers, initial_layer) if several or len(layers) > 1 else "",
-        menu("head", "Head", heads, initial_head),
-        "</div>",
-        (
-            '<div class="attention-explorer-tokens" role="group" aria-label="Tokens: pick one to see its attention">'
-            f"{buttons}</div>"
-        ),
-        (
-            '<div class="attention-explorer-direction" role="group" aria-label="Direction">'
-            f'<span class="attention-explorer-direction-label">The chosen token</span>{direction}</div>'
-        ),
-        (
-            f'<p class="attention-explorer-status" id="{element_id}-status" aria-live="polite">'
-            "Click a token, or move to it with Tab, to see its attention weights over all tokens.</p>"
-        ),
-        f'<div class="attention-explorer-steps" aria-labelledby="{element_id}-status"></div>',
-        (
-            '<div class="attention-explorer-overview">'
-            '<p class="attention-explorer-legend">All heads: a row per layer, a column per head; in each map '
-            "a row per query token and a column per key token. Each map is shaded to its own largest weight "
-            "(darkest = that head's maximum), so faint heads stay visible: compare heads by the numbers above, "
-            "not by shade. The chosen token's row (or column) is outlined; click a map to open that head.</p>"
-            '<div class="attention-explorer-thumbs" role="group" aria-label="Every layer and head: '
-            'pick one to open it"></div></div>'
-        ),
-        "</div>",
-    ]
-    return "".join(parts) + "\n"
+    element_id = _explorer_element_id(element_id, payload)
+    return _explorer_markup(element_id, payload, models, initial_sentence, initial_layer, initial_head)
 
 
 # map_slider_html: one (L, S) map per frame (a training step, a layer, ...), drawn as an inline SVG whose

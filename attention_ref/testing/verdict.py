@@ -128,7 +128,13 @@ def per_row(x: torch.Tensor, rows: str) -> torch.Tensor:
 
 
 def _judge(q: Quantity, factor: float, atol: float, bound: str) -> Verdict:
-    """Apply the rule to one quantity; the message lines when it fails."""
+    """Apply the rule to one quantity; the message lines when it fails.
+
+    Under ``bound="row"`` each row ``r`` passes when ``max_r|actual - ref| <= a_r``, the allowance
+    of `_row_allowance` from the row's baseline error ``e_r`` (`_degenerate_rows` says which rows'
+    ``e_r`` cannot be trusted, `_error_floor` gives the floor ``F_r``); a row not judged passes when
+    it is finite. ``bound="global"`` is `_judge_global`.
+    """
     if q.actual.shape != q.reference.shape:
         raise ValueError(
             f"actual_grads' {q.name} must have shape {caller_shape(q.reference.shape, q.swap)}, "
@@ -143,44 +149,115 @@ def _judge(q: Quantity, factor: float, atol: float, bound: str) -> Verdict:
     magnitude = per_row(torch.where(torch.isfinite(reference), reference, torch.zeros_like(reference)), q.rows)
     not_judged = q.not_judged if q.not_judged is not None else torch.zeros_like(error, dtype=torch.bool)
     overflowed = q.overflowed if q.overflowed is not None else torch.zeros_like(not_judged)
+    not_finite, too_far, degenerate = _degenerate_rows(low_error, magnitude, not_judged, overflowed)
+    healthy = ~degenerate & ~not_judged
+    floor, typical, typical_relative = _error_floor(low_error, magnitude, healthy, q.rounding)
+    judgeable = bool(healthy.any())
+    allowance = _row_allowance(low_error, floor, degenerate, judgeable, factor, atol)
+    ok = _rows_pass(q, error, allowance, not_judged)
+    judged = ~not_judged
+    failing = ~ok
+    n_degenerate = int(degenerate.sum())
+    if not bool(failing.any()):
+        return Verdict(q, False, allowance, judged, n_degenerate, [])
+    terms = _RowTerms(error, low_error, magnitude, not_judged, overflowed, not_finite, too_far, degenerate, floor,
+                      typical, typical_relative, allowance, judgeable)
+    return Verdict(q, True, allowance, judged, n_degenerate, _row_failure_lines(q, diff, terms, failing, factor, atol))
+
+
+def _degenerate_rows(
+    low_error: torch.Tensor, magnitude: torch.Tensor, not_judged: torch.Tensor, overflowed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows whose baseline error ``e_r`` cannot judge them: ``(not_finite, too_far, degenerate)``, bool per row.
+
+    With ``m_r`` the row's largest finite ``|reference|`` and ``U`` the `_TYPICAL` percentile of the
+    finite ``e`` of the judged rows: ``not_finite_r`` when ``e_r`` is NaN or inf; ``too_far_r`` when
+    ``e_r >= 0.25 * m_r and e_r > U`` (finite ``e_r`` only); ``degenerate_r = (not_finite_r or too_far_r
+    or overflowed_r) and r is judged``. A row whose reference is merely small (a gradient that cancels,
+    exactly 0) is off by what every row is off by (``e_r <= U``), and is healthy.
+    """
     not_finite = ~torch.isfinite(low_error)
-    # off by a quarter of its own magnitude or more, and by more than the typical row: a row whose reference
-    # is merely small (a gradient that cancels, exactly 0) is off by what every row is off by, and is healthy
     usual = _percentile(low_error[~not_finite & ~not_judged])
     too_far = (low_error >= _DEGENERATE_SHARE * magnitude) & (low_error > usual) & ~not_finite
     degenerate = (not_finite | too_far | overflowed) & ~not_judged
-    healthy = ~degenerate & ~not_judged
-    # A row's baseline error is the largest of a few entries, a noisy estimate: a baseline that rounds
-    # luckily on one row must not demand better there. So it counts as at least the typical error of the
-    # healthy rows (their 90th percentile), absolute and relative to the row's magnitude; a percentile
-    # moves little for a minority of bad rows, so no row's error widens the others' allowance.
+    return not_finite, too_far, degenerate
+
+
+def _error_floor(
+    low_error: torch.Tensor, magnitude: torch.Tensor, healthy: torch.Tensor, rounding: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The floor of each row's baseline error, and its two percentiles: ``(F, T, T_rel)``.
+
+    ``F_r = max(min(max(T, T_rel * m_r), e_max), rounding_r)``, where ``T`` is the `_TYPICAL` (90th)
+    percentile of the healthy rows' ``e``, ``T_rel`` that of ``e / m`` over the healthy rows with
+    ``m > 0``, ``e_max`` the largest healthy ``e`` (0 if none) and ``rounding_r`` the quantity's
+    rounding term (left out when it has none). A row's baseline error is the largest of a few entries,
+    a noisy estimate: a baseline that rounds luckily on one row must not demand better there, and a
+    percentile moves little for a minority of bad rows, so no row's error widens the others'
+    allowance. The rounding is an a priori bound on what a right kernel's sums may round away on a
+    row whose exact value cancels, not capped by what one order happened to round.
+    """
     typical = _percentile(low_error[healthy])  # () float64
     sized = healthy & (magnitude > 0)
     typical_relative = _percentile(low_error[sized] / magnitude[sized])
     largest = low_error[healthy].max() if bool(healthy.any()) else torch.zeros((), dtype=torch.float64)
     floor = torch.maximum(typical, typical_relative * magnitude)  # (rows)
     floor = torch.minimum(floor, largest)  # (rows), <= the global
-    if q.rounding is not None:
-        # A row whose exact value cancels may be off by the rounding of its sums in a right kernel, whatever
-        # the baseline's own order gave: an a priori bound, not capped by what one order happened to round.
-        floor = torch.maximum(floor, q.rounding)
-    # a degenerate row has no estimate of its own: it is held to the floor alone, the typical error at its scale
-    judgeable = bool(healthy.any())
+    if rounding is not None:
+        floor = torch.maximum(floor, rounding)
+    return floor, typical, typical_relative
+
+
+def _row_allowance(low_error: torch.Tensor, floor: torch.Tensor, degenerate: torch.Tensor, judgeable: bool,
+                   factor: float, atol: float) -> torch.Tensor:
+    """Each row's allowance: ``a_r = factor * max(e_r, F_r) + atol``, or ``factor * F_r + atol`` on a degenerate row.
+
+    A degenerate row has no estimate of its own: it is held to the floor alone, the typical error
+    at its scale. When no row is healthy (not ``judgeable``) there is no floor to trust either, and
+    the degenerate rows' allowance is NaN, which fails every comparison.
+    """
     allowance = factor * torch.where(degenerate, floor, torch.maximum(low_error, floor)) + atol
     if not judgeable:
         allowance = torch.where(degenerate, torch.full_like(allowance, math.nan), allowance)
+    return allowance
+
+
+def _rows_pass(q: Quantity, error: torch.Tensor, allowance: torch.Tensor, not_judged: torch.Tensor) -> torch.Tensor:
+    """Bool per row: ``max_r|actual - ref| <= a_r`` on a judged row (False for NaN), finiteness on the others.
+
+    A row not judged passes when its actual values are all finite (for ``"scalar"`` and ``"head"``
+    rows, the lse, when its value is not NaN).
+    """
     ok = error <= allowance  # False for NaN: a NaN fails
     if bool(not_judged.any()):  # judged only for being finite (lse: not NaN)
         values = q.actual.detach().to(torch.float64)
         finite = (~torch.isnan(values)) if q.rows in ("scalar", "head") else torch.isfinite(values).all(dim=-1)
         ok = torch.where(not_judged, finite, ok)
-    judged = ~not_judged
-    failing = ~ok
-    n_degenerate = int(degenerate.sum())
-    if not bool(failing.any()):
-        return Verdict(q, False, allowance, judged, n_degenerate, [])
+    return ok
 
-    # the failing row with the largest error, and its worst position
+
+@dataclass(frozen=True)
+class _RowTerms:
+    """The per-row terms of ``bound="row"`` for one quantity, for its failure message (`_judge` computes them)."""
+
+    error: torch.Tensor  # max_r|actual - ref|
+    low_error: torch.Tensor  # e_r = max_r|low_precision - ref|
+    magnitude: torch.Tensor  # m_r, the row's largest finite |ref|
+    not_judged: torch.Tensor
+    overflowed: torch.Tensor
+    not_finite: torch.Tensor
+    too_far: torch.Tensor
+    degenerate: torch.Tensor
+    floor: torch.Tensor  # F_r
+    typical: torch.Tensor  # T
+    typical_relative: torch.Tensor  # T_rel
+    allowance: torch.Tensor  # a_r
+    judgeable: bool
+
+
+def _worst_failing_row(q: Quantity, diff: torch.Tensor, error: torch.Tensor,
+                       failing: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(row, position)``: the failing row with the largest error (NaN counts as inf), and its worst entry."""
     order = torch.where(failing, error.nan_to_num(nan=math.inf), torch.full_like(error, -1.0))
     row = tuple(int(i) for i in torch.unravel_index(order.argmax(), order.shape)) if order.dim() else ()
     if q.rows == "one":
@@ -189,41 +266,51 @@ def _judge(q: Quantity, factor: float, atol: float, bound: str) -> Verdict:
         position = row
     else:
         position = row + (int(diff[row].argmax()),) if diff.shape[-1] else row
+    return row, position
+
+
+def _allowed_line(q: Quantity, t: _RowTerms, row: tuple[int, ...], factor: float, atol: float) -> str:
+    """The message's ``allowed:`` line for a judged ``row``: ``a_r`` and which term of ``max(e_r, F_r)`` set it."""
+    dtype = dtype_name(q.dtype)
+    if not bool(t.degenerate[row]):
+        if t.low_error[row] >= t.floor[row]:
+            return f"    allowed: {factor:g} * {t.low_error[row].item():.3e} + {atol:g} = {t.allowance[row].item():.3e}"
+        relative = t.typical_relative * t.magnitude[row]
+        rounding = q.rounding[row] if q.rounding is not None else torch.zeros(())
+        if t.floor[row] < torch.maximum(torch.maximum(t.typical, relative), rounding):
+            why = "the largest baseline error among the healthy rows, the floor's cap"
+        elif rounding > torch.maximum(t.typical, relative):
+            why = q.rounding_why
+        elif t.typical >= relative:
+            why = "the 90th percentile of the rows' baseline errors"
+        else:
+            why = (f"{t.typical_relative.item():.3e} x {t.magnitude[row].item():.4g}, the 90th percentile of the "
+                   "rows' baseline errors relative to their largest |reference|, times this row's")
+        return (f"    allowed: {factor:g} * {t.floor[row].item():.3e} + {atol:g} = "
+                f"{t.allowance[row].item():.3e} ({t.floor[row].item():.3e}: {why}; more than this row's own)")
+    if not t.judgeable:
+        return (f"    allowed: none: the {dtype} baseline is degenerate on every row of {q.name} "
+                f"({_reasons(t.not_finite, t.too_far, t.overflowed, t.degenerate)}), so the rule cannot judge "
+                "it; check in float32, or with smaller inputs")
+    return (f"    allowed: {factor:g} * {t.floor[row].item():.3e} + {atol:g} = {t.allowance[row].item():.3e}, "
+            "the typical error of the healthy rows at this row's magnitude (this row's baseline is "
+            f"degenerate: {_reasons(t.not_finite[row], t.too_far[row], t.overflowed[row], t.degenerate[row])})")
+
+
+def _row_failure_lines(q: Quantity, diff: torch.Tensor, t: _RowTerms, failing: torch.Tensor, factor: float,
+                       atol: float) -> list[str]:
+    """The message lines of a quantity that fails ``bound="row"``: the worst failing row's numbers, then counts."""
+    row, position = _worst_failing_row(q, diff, t.error, failing)
     dtype = dtype_name(q.dtype)
     lines = [f"  {q.name}:"]
-    if bool(not_judged[row]):
+    if bool(t.not_judged[row]):
         lines.append(f"    this row is not judged but must be finite: actual {value_at(q.actual, position)}")
     else:
         lines += [
-            f"    max|actual - reference|        = {error[row].item():.3e}",
-            f"    max|low_precision - reference| = {low_error[row].item():.3e} ({dtype}, {q.baseline})",
+            f"    max|actual - reference|        = {t.error[row].item():.3e}",
+            f"    max|low_precision - reference| = {t.low_error[row].item():.3e} ({dtype}, {q.baseline})",
+            _allowed_line(q, t, row, factor, atol),
         ]
-        if not bool(degenerate[row]):
-            if low_error[row] >= floor[row]:
-                lines.append(f"    allowed: {factor:g} * {low_error[row].item():.3e} + {atol:g} = "
-                             f"{allowance[row].item():.3e}")
-            else:
-                relative = typical_relative * magnitude[row]
-                rounding = q.rounding[row] if q.rounding is not None else torch.zeros(())
-                if floor[row] < torch.maximum(torch.maximum(typical, relative), rounding):
-                    why = "the largest baseline error among the healthy rows, the floor's cap"
-                elif rounding > torch.maximum(typical, relative):
-                    why = q.rounding_why
-                elif typical >= relative:
-                    why = "the 90th percentile of the rows' baseline errors"
-                else:
-                    why = (f"{typical_relative.item():.3e} x {magnitude[row].item():.4g}, the 90th percentile of the "
-                           "rows' baseline errors relative to their largest |reference|, times this row's")
-                lines.append(f"    allowed: {factor:g} * {floor[row].item():.3e} + {atol:g} = "
-                             f"{allowance[row].item():.3e} ({floor[row].item():.3e}: {why}; more than this row's own)")
-        elif not judgeable:
-            lines.append(f"    allowed: none: the {dtype} baseline is degenerate on every row of {q.name} "
-                         f"({_reasons(not_finite, too_far, overflowed, degenerate)}), so the rule cannot judge "
-                         "it; check in float32, or with smaller inputs")
-        else:
-            lines.append(f"    allowed: {factor:g} * {floor[row].item():.3e} + {atol:g} = {allowance[row].item():.3e}, "
-                         "the typical error of the healthy rows at this row's magnitude (this row's baseline is "
-                         f"degenerate: {_reasons(not_finite[row], too_far[row], overflowed[row], degenerate[row])})")
     lines.append(f"    worst position {caller_position(position, q.swap)}: actual {value_at(q.actual, position)}, "
                  f"reference {value_at(q.reference, position)}")
     if q.rows == "one":
@@ -233,19 +320,20 @@ def _judge(q: Quantity, factor: float, atol: float, bound: str) -> Verdict:
                 "state": "state rows"}[q.rows]
         lines.append(f"    {int(failing.sum())} of {failing.numel()} {kind} out of bounds; the numbers above are those "
                      f"of row {swap_row(row) if q.swap else row}, the failing row with the largest error")
-    if bool(overflowed.any()):
+    if bool(t.overflowed.any()):
         lines.append(f"    the {dtype} baseline overflowed (a score beyond +-{torch.finfo(q.dtype).max:g} even with "
-                     f"query * scale first) on {counted(int(overflowed.sum()), 'row')}: "
-                     f"{fmt_rows(row_indices(overflowed, q.swap))}")
-    if n_degenerate and judgeable:
+                     f"query * scale first) on {counted(int(t.overflowed.sum()), 'row')}: "
+                     f"{fmt_rows(row_indices(t.overflowed, q.swap))}")
+    n_degenerate = int(t.degenerate.sum())
+    if n_degenerate and t.judgeable:
         lines.append(f"    {counted(n_degenerate, 'row')} with a degenerate baseline "
-                     f"({_reasons(not_finite, too_far, overflowed, degenerate)}) held to the healthy rows' typical "
-                     f"error at their magnitude: {fmt_rows(row_indices(degenerate, q.swap))}")
-    if bool(not_judged.any()):
-        lines.append(f"    {counted(int(not_judged.sum()), 'query row')} not judged (every key masked only by float "
+                     f"({_reasons(t.not_finite, t.too_far, t.overflowed, t.degenerate)}) held to the healthy rows' "
+                     f"typical error at their magnitude: {fmt_rows(row_indices(t.degenerate, q.swap))}")
+    if bool(t.not_judged.any()):
+        lines.append(f"    {counted(int(t.not_judged.sum()), 'query row')} not judged (every key masked only by float "
                      f"values <= finfo({dtype}).min; only checked to be finite): "
-                     f"{fmt_rows(row_indices(not_judged, q.swap))}")
-    return Verdict(q, True, allowance, judged, n_degenerate, lines)
+                     f"{fmt_rows(row_indices(t.not_judged, q.swap))}")
+    return lines
 
 
 def _judge_global(q: Quantity, diff: torch.Tensor, low_diff: torch.Tensor, factor: float, atol: float) -> Verdict:
