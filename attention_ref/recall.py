@@ -20,6 +20,8 @@ floats per head) must squeeze all the pairs into that state, and recalls only wh
 - `state_size`: the floats each mixer keeps per sequence and layer.
 - `train`, `accuracy`, `accuracy_by_pairs`; `load_recall` loads the models trained by
   ``scripts/train_recall.py``, which ship with the package.
+- `MoBA`, `NSASelected`: a trained softmax model evaluated with block-sparse attention in
+  place of its full attention, without retraining (``sparse=`` of `RecallModel.forward`).
 
 Shapes: ``B`` batch, ``L`` tokens, ``H`` heads, ``E = d / H`` the head size, ``V`` the vocabulary.
 """
@@ -42,7 +44,9 @@ from attention_ref._validation import check_positive_int, fmt_shape
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.linear import gated_delta_rule, linear_attention
 from attention_ref.lm import optimise, round_to_half, warmup_cosine  # noqa: F401 - round_to_half: scripts/train_recall.py
+from attention_ref.moba import TOPK1, moba_attention
 from attention_ref.mods import sliding_window
+from attention_ref.nsa import compress_blocks, select_blocks, selected_attention
 from attention_ref.positional import rope
 
 __all__ = [
@@ -50,6 +54,8 @@ __all__ = [
     "MIXERS",
     "PAD",
     "TEST_SEED",
+    "MoBA",
+    "NSASelected",
     "RecallModel",
     "RecallTraining",
     "accuracy",
@@ -233,6 +239,117 @@ def _check_mixer(mixer: object) -> str:
     return mixer
 
 
+# --- block-sparse attention in place of the trained full attention ------------------------------
+
+
+@dataclass(frozen=True)
+class MoBA:
+    """MoBA's block choice in place of full attention: `attention_ref.moba.moba_attention`.
+
+    Given as ``sparse=`` to `RecallModel.forward` (or `accuracy`), every softmax layer
+    attends with ``moba_attention(q, k, v, chunk_size=..., topk=..., topk1=...)`` on its
+    rotated queries and keys, ``(B, H, L, E)``, where it would call full causal attention:
+    each query reads its own chunk up to itself and the ``topk - 1`` past chunks whose mean
+    key scores highest against it. Nothing is retrained; MoBA's gate has no parameters.
+
+    A query reads at most ``topk * chunk_size`` keys (its own chunk only up to itself).
+
+    Attributes:
+        chunk_size: keys per chunk.
+        topk: chunks per query, the own chunk counted.
+        topk1: what ``topk = 1`` means, ``"block_local"`` or ``"full"`` (`attention_ref.moba`);
+            required when ``topk == 1``, ignored otherwise.
+
+    Raises:
+        TypeError: ``chunk_size`` or ``topk`` not an int.
+        ValueError: ``chunk_size`` or ``topk`` not positive, an unknown ``topk1``, or
+            ``topk = 1`` without ``topk1``.
+
+    Example:
+        >>> model, _ = load_recall("softmax")
+        >>> batch = eval_batch(4, size=8)
+        >>> every_chunk = MoBA(chunk_size=8, topk=8)   # 8 chunks of 8: all 64 keys
+        >>> accuracy(model, batch, sparse=every_chunk) == accuracy(model, batch)
+        True
+    """
+
+    chunk_size: int
+    topk: int
+    topk1: str | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("MoBA.chunk_size", self.chunk_size)
+        check_positive_int("MoBA.topk", self.topk)
+        if self.topk1 is not None and self.topk1 not in TOPK1:
+            raise ValueError(f"MoBA.topk1 must be one of {', '.join(map(repr, TOPK1))} or None, "
+                             f"got {self.topk1!r}")
+        if self.topk == 1 and self.topk1 is None:
+            raise ValueError("MoBA.topk1 must be given when topk = 1: 'block_local' (the own chunk only) "
+                             "or 'full' (every chunk up to the own one), see attention_ref.moba")
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``(B, H, L, E)`` each -> ``(B, H, L, E)``: `attention_ref.moba.moba_attention`."""
+        return moba_attention(query, key, value, chunk_size=self.chunk_size, topk=self.topk, topk1=self.topk1)
+
+
+@dataclass(frozen=True)
+class NSASelected:
+    """NSA's selected branch alone in place of full attention (`attention_ref.nsa`).
+
+    Given as ``sparse=`` to `RecallModel.forward` (or `accuracy`), every softmax layer
+    attends, on its rotated queries and keys ``(B, H, L, E)``, with the blocks that NSA's
+    selection picks: the keys are mean-pooled per block of ``block_size``
+    (`attention_ref.nsa.compress_blocks`), each query scores the blocks that end at or
+    before it by its softmax over their pooled keys (`attention_ref.nsa.select_blocks`),
+    and reads, causally, the ``block_counts`` best (`attention_ref.nsa.selected_attention`).
+    The first block, the query's own block and the one before it are forced, and count in
+    ``block_counts`` (ranked by index: with fewer than 3, the own block is the first left
+    out).
+
+    NSA mixes three branches with learned gates; the trained model has none. The gates
+    are fixed at ``g_slc = 1``, ``g_cmp = g_swa = 0``:
+    ``attention_ref.nsa.nsa_attention(q, k, v, 0, 1, 0, ...)`` gives the same output. So
+    selecting every block is full attention, the output the model was trained on; equal
+    gates of 1/3 would mix in branches it never saw, at every budget.
+
+    A query reads at most ``block_counts * block_size`` keys (its own block only up to
+    itself).
+
+    Attributes:
+        block_size: keys per block, pooled and selected alike.
+        block_counts: blocks per query, the forced ones counted.
+
+    Raises:
+        TypeError: ``block_size`` or ``block_counts`` not an int.
+        ValueError: ``block_size`` or ``block_counts`` not positive.
+
+    Example:
+        >>> model, _ = load_recall("softmax")
+        >>> batch = eval_batch(4, size=8)
+        >>> every_block = NSASelected(block_size=8, block_counts=8)   # all 64 keys
+        >>> accuracy(model, batch, sparse=every_block) == accuracy(model, batch)
+        True
+    """
+
+    block_size: int
+    block_counts: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("NSASelected.block_size", self.block_size)
+        check_positive_int("NSASelected.block_counts", self.block_counts)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``(B, H, L, E)`` each -> ``(B, H, L, E)``: NSA's selection, then its selected branch."""
+        pooled = compress_blocks(key, self.block_size)  # (B, H, L, E) -> (B, H, L // block_size, E)
+        # (B, H, L, block_counts): block numbers, the forced ones first, -1 in unused slots
+        chosen = select_blocks(query, pooled, block_size=self.block_size, block_counts=self.block_counts)
+        return selected_attention(query, key, value, chosen, block_size=self.block_size)
+
+
+Sparse = MoBA | NSASelected
+"""What ``sparse=`` of `RecallModel.forward` takes."""
+
+
 class _ShortConv(nn.Module):
     """A causal depthwise convolution: channel ``c`` of token ``t`` mixes tokens ``t - kernel + 1 .. t``."""
 
@@ -264,7 +381,7 @@ class _Mixer(nn.Module):
         if self.mixer == "gated_delta":
             nn.init.constant_(self.gate.bias, 3.0)
 
-    def forward(self, x: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, window: int | None = None, sparse: Sparse | None = None) -> torch.Tensor:
         B, L, d = x.shape
         H = self.heads
         # each (B, L, d) -> (B, L, H, E): tokens before heads, the layout of attention_ref.linear
@@ -273,7 +390,9 @@ class _Mixer(nn.Module):
             # (B, L, H, E) -> (B, H, L, E), rotated by their positions 0 .. L - 1
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             q, k = rope(q), rope(k)
-            if window is None:
+            if sparse is not None:
+                out = sparse(q, k, v)  # (B, H, L, E), block-sparse and causal
+            elif window is None:
                 out = scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 out = scaled_dot_product_attention(q, k, v, mask_mod=sliding_window(window - 1))
@@ -304,9 +423,9 @@ class _Block(nn.Module):
             self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         self.has_mlp = mlp
 
-    def forward(self, x: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, window: int | None = None, sparse: Sparse | None = None) -> torch.Tensor:
         x = x + self.conv(self.norm_conv(x))
-        x = x + self.mix(self.norm_mix(x), window)
+        x = x + self.mix(self.norm_mix(x), window, sparse)
         if self.has_mlp:
             x = x + self.mlp(self.norm_mlp(x))
         return x
@@ -379,7 +498,8 @@ class RecallModel(nn.Module):
             if isinstance(module, _Mixer):
                 module.reset_gate()
 
-    def forward(self, ids: torch.Tensor, *, window: int | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, window: int | None = None, sparse: Sparse | None = None
+                ) -> torch.Tensor:
         """Logits ``(B, L, V)`` for ids ``(B, L)``.
 
         Args:
@@ -387,11 +507,16 @@ class RecallModel(nn.Module):
             window: softmax mixers only: each query sees its last ``window`` keys, itself
                 included (`attention_ref.mods.sliding_window`), as a model that keeps a KV
                 cache of ``window`` tokens would. None: every earlier key.
+            sparse: softmax mixers only: a `MoBA` or `NSASelected`, the block-sparse
+                attention every layer computes instead of full causal attention, on the
+                same rotated queries, keys and values, with the trained weights. None:
+                full attention (or the ``window``); not with a ``window``.
 
         Raises:
-            TypeError: ``ids`` not an integer tensor, ``window`` not an int.
-            ValueError: ``ids`` not 2-D, or out of range; a ``window`` that is not positive
-                or given to a recurrent mixer.
+            TypeError: ``ids`` not an integer tensor, ``window`` not an int, ``sparse`` not
+                a `MoBA` or `NSASelected`.
+            ValueError: ``ids`` not 2-D, or out of range; a ``window`` that is not positive;
+                a ``window`` or ``sparse`` given to a recurrent mixer; both given.
         """
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise TypeError(f"ids must be an integer tensor (B, L), got "
@@ -405,9 +530,17 @@ class RecallModel(nn.Module):
             check_positive_int("window", window)
             if self.config["mixer"] != "softmax":
                 raise ValueError(f"window applies to the softmax mixer only, got mixer={self.config['mixer']!r}")
+        if sparse is not None:
+            if not isinstance(sparse, (MoBA, NSASelected)):
+                raise TypeError(f"sparse must be a MoBA, an NSASelected or None, got {type(sparse).__name__}")
+            if self.config["mixer"] != "softmax":
+                raise ValueError(f"sparse applies to the softmax mixer only, got mixer={self.config['mixer']!r}")
+            if window is not None:
+                raise ValueError(f"window and sparse must not be given together (each replaces full "
+                                 f"attention), got window={window} and sparse={sparse!r}")
         x = self.embed(ids)  # (B, L) -> (B, L, d)
         for block in self.blocks:
-            x = block(x, window)
+            x = block(x, window, sparse)
         return self.head(self.norm(x))  # (B, L, d) -> (B, L, V)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -546,7 +679,7 @@ def accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Te
     Args:
         model: ids ``(B, L)`` -> logits ``(B, L, V)``, e.g. a `RecallModel`.
         batch: ``(inputs, targets, mask)`` from `mqar_batch`.
-        **kwargs: passed on to the model (``window=`` for `RecallModel`).
+        **kwargs: passed on to the model (``window=`` or ``sparse=`` for `RecallModel`).
 
     Returns:
         A float in ``[0, 1]``.

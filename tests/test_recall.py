@@ -9,6 +9,10 @@ shipped models against the record of the runs that made them.
   linear mixer against its formula written as matrices, the delta mixers' chunked form against
   `gated_delta_rule(..., mode="recurrent")`, the convolution against a sum by hand.
 - Causality: changing a token changes no logit before it (and does change later ones).
+- ``sparse=``: every softmax layer computes `moba_attention`, or `nsa_attention` with only its
+  selected branch gated on, on its rotated projections; a budget that covers every key gives
+  full attention's logits and accuracy; a query reads at most blocks x block size keys; the
+  specs' and the forward's errors name the argument.
 - The shipped files: each reproduces its recorded accuracy per pair count, and the first
   training steps rerun from the record's seed give the recorded losses to 1e-4.
 """
@@ -25,7 +29,11 @@ from torch.nn import functional as F
 
 from attention_ref import recall
 from attention_ref.linear import gated_delta_rule
+from attention_ref.masks import causal_mask
+from attention_ref.moba import moba_attention, moba_mask
+from attention_ref.nsa import compress_blocks, nsa_attention, select_blocks
 from attention_ref.positional import rope
+from attention_ref.sparse import block_topk_indices, topk_mask
 
 # --- the task ----------------------------------------------------------------------------------
 
@@ -341,3 +349,114 @@ def test_load_recall_refuses_another_mixers_file(tmp_path):
         recall.load_recall("delta", str(path))
     loaded, record = recall.load_recall("linear", path.read_bytes())
     assert record == {} and loaded.config == model.config
+
+
+# --- block-sparse attention in place of the trained full attention ---------------------------------
+
+SPARSE = [recall.MoBA(chunk_size=3, topk=2), recall.NSASelected(block_size=3, block_counts=4)]
+
+
+def _sparse_by_hand(spec, q, k, v):
+    """``(B, H, L, E)`` each: `moba_attention`, or `nsa_attention` with only the selected branch gated on."""
+    if isinstance(spec, recall.MoBA):
+        return moba_attention(q, k, v, chunk_size=spec.chunk_size, topk=spec.topk, topk1=spec.topk1)
+    on = q.new_ones(q.shape[:-1])  # (B, H, L): one gate per query head and token
+    return nsa_attention(q, k, v, 0 * on, on, 0 * on, block_size=spec.block_size,
+                         block_counts=spec.block_counts, window_size=1)
+
+
+@pytest.mark.parametrize("spec", SPARSE, ids=lambda spec: type(spec).__name__)
+def test_sparse_layers_are_moba_and_nsa_on_the_rotated_projections(spec):
+    torch.manual_seed(5)
+    B, L, d, H = 2, 13, 12, 3
+    model = recall.RecallModel("softmax", vocab=40, d=d, heads=H, layers=2).double()
+    seen = []
+
+    def check(mixer, args, output):
+        x = args[0]  # (B, L, d), the mixer's input
+        q, k, v = (t.transpose(1, 2) for t in _projections(mixer, x, H))  # (B, H, L, E)
+        q, k = rope(q), rope(k)
+        expected = _sparse_by_hand(spec, q, k, v)
+        torch.testing.assert_close(output, _read_out(mixer, expected.transpose(1, 2)), rtol=1e-12, atol=1e-12)
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        seen.append((expected - full).abs().amax().item())
+
+    hooks = [block.mix.register_forward_hook(check) for block in model.blocks]
+    try:
+        model(torch.randint(0, 40, (B, L)), sparse=spec)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == 2 and min(seen) > 1e-3  # both layers, each other than full attention
+
+
+@pytest.fixture(scope="module")
+def softmax_model():
+    return recall.load_recall("softmax")[0]
+
+
+@pytest.mark.parametrize("spec", [
+    recall.MoBA(chunk_size=8, topk=8),
+    recall.MoBA(chunk_size=7, topk=10),  # 10 chunks, the last of 1 key
+    recall.MoBA(chunk_size=5, topk=1, topk1="full"),
+    recall.NSASelected(block_size=8, block_counts=8),
+    recall.NSASelected(block_size=5, block_counts=13),  # 13 blocks, the last of 4 keys
+], ids=repr)
+def test_a_budget_covering_every_key_is_full_attention(softmax_model, spec):
+    batch = recall.eval_batch(16, size=32)
+    full = softmax_model(batch[0])
+    torch.testing.assert_close(softmax_model(batch[0], sparse=spec), full, rtol=1e-5, atol=1e-5)
+    assert recall.accuracy(softmax_model, batch, sparse=spec) == recall.accuracy(softmax_model, batch)
+
+
+def test_a_smaller_budget_changes_the_answers(softmax_model):
+    batch = recall.eval_batch(16, size=32)
+    full = recall.accuracy(softmax_model, batch)
+    for spec in (recall.MoBA(chunk_size=4, topk=2), recall.NSASelected(block_size=4, block_counts=3)):
+        assert recall.accuracy(softmax_model, batch, sparse=spec) < full - 0.2, spec
+
+
+def test_a_query_reads_at_most_blocks_times_block_size_keys():
+    # the page's budget: a query reads its selected blocks, its own only up to itself
+    gen = torch.Generator().manual_seed(0)
+    L, size, blocks = 64, 4, 4
+    q, k = (torch.randn(2, 1, L, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    causal = causal_mask(L, L)
+    moba_keys = moba_mask(q, k, size, blocks).sum(-1)  # (2, 1, L)
+    chosen = select_blocks(q, compress_blocks(k, size), block_size=size, block_counts=blocks)
+    nsa_keys = (topk_mask(block_topk_indices(chosen, size, L), L) & causal).sum(-1)  # (2, 1, L)
+    budget = size * blocks
+    for keys in (moba_keys, nsa_keys):
+        assert keys.max() == budget
+        # once enough blocks lie behind it, a query at the end of its block reads all ...
+        assert bool((keys[..., budget - 1::size] == budget).all())
+        # ... and one at the start of its block reads one key of it
+        assert bool((keys[..., budget::size] == budget - size + 1).all())
+
+
+@pytest.mark.parametrize("make,error,message", [
+    (lambda: recall.MoBA(chunk_size=0, topk=2), ValueError, "MoBA.chunk_size must be a positive int, got 0"),
+    (lambda: recall.MoBA(chunk_size=8, topk=2.0), TypeError, "MoBA.topk must be an int, got float"),
+    (lambda: recall.MoBA(chunk_size=8, topk=1), ValueError, "MoBA.topk1 must be given when topk = 1"),
+    (lambda: recall.MoBA(chunk_size=8, topk=2, topk1="local"), ValueError,
+     "MoBA.topk1 must be one of 'block_local', 'full' or None, got 'local'"),
+    (lambda: recall.NSASelected(block_size=4, block_counts=0), ValueError,
+     "NSASelected.block_counts must be a positive int, got 0"),
+    (lambda: recall.NSASelected(block_size=True, block_counts=2), TypeError,
+     "NSASelected.block_size must be an int, got bool"),
+])
+def test_sparse_spec_errors_name_the_field(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_forward_refuses_sparse_where_it_does_not_apply():
+    ids = torch.tensor([[0, 1, 2]])
+    spec = recall.MoBA(chunk_size=2, topk=2)
+    with pytest.raises(ValueError, match=r"window and sparse must not be given together .*got window=2 and "
+                                         r"sparse=MoBA\(chunk_size=2, topk=2, topk1=None\)"):
+        recall.RecallModel("softmax", vocab=16, d=8)(ids, window=2, sparse=spec)
+    with pytest.raises(ValueError, match="sparse applies to the softmax mixer only, got mixer='delta'"):
+        recall.RecallModel("delta", vocab=16, d=8)(ids, sparse=spec)
+    with pytest.raises(TypeError, match="sparse must be a MoBA, an NSASelected or None, got str"):
+        recall.RecallModel("softmax", vocab=16, d=8)(ids, sparse="moba")
