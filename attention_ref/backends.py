@@ -91,7 +91,7 @@ from attention_ref.block_mask import (
 )
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.sinks import check_sinks, heads_of
-from attention_ref.tiled import _tiled
+from attention_ref.tiled import tiled_attention_prepared
 
 __all__ = ["BACKENDS", "CPU_TILED_MIN_LENGTH", "TRITON_VERIFIED_ON_GPU", "auto_rule", "check_backend", "select_backend"]
 
@@ -475,9 +475,10 @@ def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.T
             blocks = {"block_q": TILED_MODS_BLOCK_Q, "block_k": TILED_MODS_BLOCK_K}
         else:
             blocks = {}
-        return _tiled(query, key, value, mask, is_causal=call.is_causal, scale=scale, enable_gqa=call.enable_gqa,
-                      score_mod=call.score_mod, mask_mod=call.mask_mod, block_mask=call.block_mask,
-                      return_lse=call.return_lse, sinks=call.sinks, **blocks)
+        return tiled_attention_prepared(query, key, value, mask, is_causal=call.is_causal, scale=scale,
+                                        enable_gqa=call.enable_gqa, score_mod=call.score_mod, mask_mod=call.mask_mod,
+                                        block_mask=call.block_mask, return_lse=call.return_lse, sinks=call.sinks,
+                                        **blocks)
     if backend == "sdpa":
         if call.mask_mod is not None:  # materialised: a boolean (..., L, S) mask, combined with attn_mask
             batch = batch_shape(query, key, value, call.enable_gqa)

@@ -314,12 +314,12 @@ def tiled_attention(
     if sinks is not None:
         batch = _inputs.batch_shape(query, key, value, enable_gqa)
         sinks = check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))
-    return _tiled(query, key, value, mask, is_causal=is_causal, scale=resolved, enable_gqa=enable_gqa,
-                  block_q=block_q, block_k=block_k, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                  return_lse=return_lse, sinks=sinks)
+    return tiled_attention_prepared(query, key, value, mask, is_causal=is_causal, scale=resolved,
+                                    enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, score_mod=score_mod,
+                                    mask_mod=mask_mod, block_mask=block_mask, return_lse=return_lse, sinks=sinks)
 
 
-def _tiled(
+def tiled_attention_prepared(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -336,7 +336,8 @@ def _tiled(
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The tiled path on validated inputs (the dispatcher's entry point; mods and sinks checked)."""
+    """The tiled path on validated inputs: `tiled_attention` after its checks, and the dispatcher's entry point
+    (`attention_ref.backends` checks the call once, then routes here). Not in ``__all__``: call `tiled_attention`."""
     if query.is_meta:
         raise ValueError("backend='tiled' cannot run on meta tensors: its online softmax reads the values (which "
                          "rows are empty, which blocks to skip); backend='math' gives the shapes on meta")

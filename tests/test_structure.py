@@ -121,6 +121,40 @@ def test_layers(module, never):
         assert not bad, f"{name} imports {sorted(bad)}"
 
 
+#: The modules whose private names the others share (imported as modules: ``from attention_ref import _inputs``).
+SHARED_HELPERS = {"attention_ref._inputs", "attention_ref._validation"}
+
+
+def _private_imports(source: str, module: str) -> list[str]:
+    """``from attention_ref.X import _name`` in ``source`` (the module ``module``): another module's private name,
+    unless X is one of `SHARED_HELPERS` or ``module`` itself."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attention_ref"):
+            for alias in node.names:
+                if alias.name.startswith("_") and node.module not in SHARED_HELPERS | {module}:
+                    if f"{node.module}.{alias.name}" in SHARED_HELPERS:  # the shared module itself
+                        continue
+                    found.append(f"{module} imports {alias.name} from {node.module}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A private name belongs to its module: what another module needs is public there (the shared helper
+    modules `SHARED_HELPERS` excepted, which exist to be shared)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        bad += _private_imports(path.read_text(encoding="utf-8"), module)
+    assert not bad, "\n".join(bad)
+    # the rule itself: a private name of another module is found, a shared helper module is not
+    assert _private_imports("from attention_ref.tiled import _tiled", "attention_ref.backends") == [
+        "attention_ref.backends imports _tiled from attention_ref.tiled"]
+    assert _private_imports("from attention_ref import _inputs, _validation", "attention_ref.tiled") == []
+    assert _private_imports("from attention_ref._inputs import _helper", "attention_ref.tiled") == []
+
+
 def test_the_launcher_runs_no_attention_code():
     """`attention_ref.distributed.launch` (`spawn`) runs any importable function in local processes: it imports
     no module of the package, so an edit of the attention code never changes how processes start."""
