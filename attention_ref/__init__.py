@@ -20,6 +20,8 @@ A float mask is added to the scores.
 
 ``attention_ref.viz`` (plotting) needs the optional ``matplotlib`` extra and is
 imported on first use, so ``import attention_ref`` needs only torch and numpy.
+``attention_ref.diagrams`` (the SVG diagrams of the pages) is imported on first use
+too: ``import attention_ref`` loads what computes attention, and nothing that draws.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from attention_ref import (
     block_mask,
     complexity,
     conventions,
-    diagrams,
     distributed,
     kv_cache,
     masks,
@@ -85,8 +86,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+#: The modules that draw, loaded on first use (`viz` imports matplotlib, an optional extra).
+_DRAWING = ("diagrams", "viz")
+
+
 def __getattr__(name: str) -> Any:
-    # `attention_ref.viz` imports matplotlib, an optional extra: load it lazily.
-    if name == "viz":
-        return importlib.import_module("attention_ref.viz")
+    if name in _DRAWING:
+        return importlib.import_module(f"attention_ref.{name}")
     raise AttributeError(f"module 'attention_ref' has no attribute {name!r}")

@@ -155,6 +155,31 @@ def test_no_module_imports_another_modules_private_names():
     assert _private_imports("from attention_ref._inputs import _helper", "attention_ref.tiled") == []
 
 
+#: The modules that teach (draw, train, load the pages' models): a module that computes attention imports none.
+TEACHING = {"diagrams", "viz", "lm", "recall", "pretrained"}
+
+
+def test_computing_modules_import_no_teaching_one():
+    graph = _imports()
+    assert TEACHING <= set(graph), sorted(TEACHING - set(graph))  # each still a module of the package
+    assert "lm" in graph["recall"]  # teaching modules may import each other
+    bad = {name: sorted(graph[name] & TEACHING) for name in graph if name not in TEACHING and graph[name] & TEACHING}
+    assert not bad, f"computing modules importing teaching ones: {bad}"
+
+
+def test_import_attention_ref_loads_no_teaching_module():
+    """``import attention_ref`` loads what computes attention; `TEACHING` loads on first use (`__getattr__`)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, attention_ref; print(sorted(m for m in sys.modules if m.split('.')[0] == 'attention_ref'"
+            " and m.split('.')[1:2] and m.split('.')[1] in %r)); attention_ref.diagrams; print('diagrams' in "
+            "dir(attention_ref) or 'attention_ref.diagrams' in sys.modules)" % sorted(TEACHING))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout
+
+
 def test_the_launcher_runs_no_attention_code():
     """`attention_ref.distributed.launch` (`spawn`) runs any importable function in local processes: it imports
     no module of the package, so an edit of the attention code never changes how processes start."""
