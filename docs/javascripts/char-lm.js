@@ -882,12 +882,6 @@
     });
   }
 
-  function init() {
-    document.querySelectorAll(".charlm[data-src]").forEach(setup);
-  }
-
   window.attentionRefCharLM = { load, nextProbabilities, CharModel, windowStart };
-  if (window.document$ && typeof window.document$.subscribe === "function") window.document$.subscribe(init);
-  else if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
-  else init();
+  window.attentionRefWidgets.onEveryPage(".charlm[data-src]", setup); // widgets.js
 })();

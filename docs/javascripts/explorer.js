@@ -582,16 +582,5 @@
     render();
   }
 
-  function setupAll() {
-    var roots = document.querySelectorAll("div.attention-explorer");
-    Array.prototype.forEach.call(roots, setup);
-  }
-
-  if (typeof window.document$ !== "undefined" && typeof window.document$.subscribe === "function") {
-    window.document$.subscribe(setupAll); // Material: on first load and after every instant navigation
-  } else if (document.readyState === "loading") {
-    document.addEventListener("DOMContentLoaded", setupAll);
-  } else {
-    setupAll();
-  }
+  window.attentionRefWidgets.onEveryPage("div.attention-explorer", setup); // widgets.js
 })();

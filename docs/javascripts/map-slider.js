@@ -140,16 +140,5 @@
     draw(Number(range.value));
   }
 
-  function setupAll() {
-    var roots = document.querySelectorAll("figure.ar-map-slider");
-    Array.prototype.forEach.call(roots, setup);
-  }
-
-  if (typeof window.document$ !== "undefined" && typeof window.document$.subscribe === "function") {
-    window.document$.subscribe(setupAll); // Material: on first load and after every instant navigation
-  } else if (document.readyState === "loading") {
-    document.addEventListener("DOMContentLoaded", setupAll);
-  } else {
-    setupAll();
-  }
+  window.attentionRefWidgets.onEveryPage("figure.ar-map-slider", setup); // widgets.js
 })();

@@ -711,17 +711,11 @@
     root.dataset.loaded = "1";
   }
 
-  function init() {
-    document.querySelectorAll(".reverser-train").forEach(setup);
-  }
-
   const api = { Model, Adam, Trainer, mulberry32, normal, reversalBatch, shapes, lossAndGrads, run, PROBE, DEFAULTS };
   if (typeof window === "undefined") {
     if (typeof module !== "undefined") module.exports = api;
     return;
   }
   window.attentionRefReverser = api;
-  if (window.document$ && typeof window.document$.subscribe === "function") window.document$.subscribe(init);
-  else if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
-  else init();
+  window.attentionRefWidgets.onEveryPage(".reverser-train", setup); // widgets.js
 })();

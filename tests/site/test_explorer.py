@@ -380,7 +380,8 @@ def test_each_model_can_have_its_own_caption(page, site_url):
                                  other_models={"second": {**spec, "caption": "The second model."},
                                                "third": spec})
     page.set_content(f"<!doctype html><html><body>{fragment}</body></html>")
-    page.add_script_tag(url=urllib.parse.urljoin(site_url, "javascripts/explorer.js"))
+    for script in ("widgets.js", "explorer.js"):  # the shared start-up, then the widget
+        page.add_script_tag(url=urllib.parse.urljoin(site_url, f"javascripts/{script}"))
     page.wait_for_function("document.getElementById('cap').dataset.explorerReady === 'true'")
     caption = page.locator("#cap .attention-explorer-caption")
     shown = []
