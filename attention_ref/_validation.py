@@ -121,6 +121,21 @@ def require_same_dtype_and_device(**tensors: torch.Tensor) -> None:
             )
 
 
+def require_module_input(name: str, x: object, width: int, dtype: torch.dtype,
+                         device: torch.device | None = None) -> torch.Tensor:
+    """A module's input (``MultiHeadAttention``'s query, key and value, MLA's hidden states, what
+    ``assert_module_close`` feeds a module): a tensor of shape (B, seq, width), batch first, in the
+    module's ``dtype`` and, where given, on its ``device``. One message per mistake for every module."""
+    x = require_tensor(name, x)
+    if x.dim() != 3 or x.shape[-1] != width:
+        raise ValueError(f"{name} must have shape (B, seq, {width}), batch first, got {fmt_shape(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be on the module's device ({device}), got {x.device}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have the module's dtype ({dtype}), got {x.dtype}")
+    return x
+
+
 def check_scale(scale: float | None) -> None:
     if scale is None:
         return

@@ -44,6 +44,7 @@ from attention_ref._validation import (
     check_scale,
     fmt_shape,
     require_float_tensor,
+    require_module_input,
     require_same_dtype_and_device,
     require_tensor,
 )
@@ -653,17 +654,8 @@ class MultiHeadLatentAttention(nn.Module):
         return angles.cos() * self.rope_attention_factor, angles.sin() * self.rope_attention_factor
 
     def _check_hidden(self, x: object) -> torch.Tensor:
-        x = require_tensor("hidden_states", x)
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must have shape (B, L, d) = (B, L, {self.hidden_size}), got {fmt_shape(x.shape)}"
-            )
-        weight = self.o_proj.weight
-        if x.dtype != weight.dtype:
-            raise TypeError(f"hidden_states must have the module's dtype ({weight.dtype}), got {x.dtype}")
-        if x.device != weight.device:
-            raise ValueError(f"hidden_states must be on the module's device ({weight.device}), got {x.device}")
-        return x
+        return require_module_input("hidden_states", x, self.hidden_size, self.o_proj.weight.dtype,
+                                    self.o_proj.weight.device)
 
     def _rotary_for(self, x: torch.Tensor, positions: torch.Tensor | None,
                     rotary: tuple[torch.Tensor, torch.Tensor] | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from attention_ref._inputs import check_bool
-from attention_ref._validation import check_positive_int, check_probability, fmt_shape
+from attention_ref._validation import (
+    check_positive_int,
+    check_probability,
+    fmt_shape,
+    require_module_input,
+)
 from attention_ref.backends import check_backend
 from attention_ref.block_mask import BlockMask
 from attention_ref.functional import scaled_dot_product_attention
@@ -139,16 +144,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _check_input(self, name: str, x: object, width: int) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != width:
-            raise ValueError(f"{name} must have shape (B, seq, {width}), got {fmt_shape(x.shape)}")
-        weight = self.q_proj.weight
-        if x.device != weight.device:
-            raise ValueError(f"{name} must be on the module's device ({weight.device}), got {x.device}")
-        if x.dtype != weight.dtype:
-            raise TypeError(f"{name} must have the module's dtype ({weight.dtype}), got {x.dtype}")
-        return x
+        return require_module_input(name, x, width, self.q_proj.weight.dtype, self.q_proj.weight.device)
 
     def _split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         B, T, _ = x.shape

@@ -309,7 +309,7 @@ def test_cache_and_module_argument_errors():
         cache.append(torch.zeros(B, 1, C), torch.zeros(B, 1, R, dtype=F64))
     assert cache.length == 3  # nothing written by the failed calls
     mla = _module()
-    with pytest.raises(ValueError, match=r"hidden_states must have shape \(B, L, d\) = \(B, L, 19\), "
+    with pytest.raises(ValueError, match=r"hidden_states must have shape \(B, seq, 19\), batch first, "
                                          r"got \(2, 5, 18\)"):
         mla(torch.zeros(B, 5, 18, dtype=F64))
     with pytest.raises(TypeError, match=r"hidden_states must have the module's dtype \(torch.float64\)"):

@@ -933,7 +933,7 @@ def test_module_errors_name_the_problem():
         assert_module_close(MultiHeadAttention(14, 2, dropout=0.1), x)
     with pytest.raises(TypeError, match="actual_module must be an attention_ref.MultiHeadAttention or a torch.nn"):
         assert_module_close(torch.nn.Linear(14, 14), x)
-    with pytest.raises(TypeError, match="query must have the module's dtype torch.float32, got torch.float16"):
+    with pytest.raises(TypeError, match=r"query must have the module's dtype \(torch.float32\), got torch.float16"):
         assert_module_close(MultiHeadAttention(14, 2), x.half())
     with pytest.raises(ValueError, match=r"attn_mask must have shape \(L, S\) = \(11, 11\), got \(11, 12\)"):
         assert_module_close(MultiHeadAttention(14, 2), x, attn_mask=torch.ones(11, 12, dtype=torch.bool))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention_ref._validation import require_module_input
 from attention_ref.masks import causal_mask, combine_masks
 from attention_ref.multihead import MultiHeadAttention
 from attention_ref.testing.arguments import check_number, check_options
@@ -115,12 +116,7 @@ def assert_module_close(
     key = query if key is None else key
     value = key if value is None else value
     for name, x, width in (("query", query, spec.embed_dim), ("key", key, spec.kdim), ("value", value, spec.vdim)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != width:
-            raise ValueError(f"{name} must have shape (B, seq, {width}), batch first, got {tuple(x.shape)}")
-        if x.dtype != spec.dtype:
-            raise TypeError(f"{name} must have the module's dtype {spec.dtype}, got {x.dtype}")
+        require_module_input(name, x, width, spec.dtype)
     if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
         raise ValueError(f"query (B, L, _), key and value (B, S, _) must share B, and key and value S: got "
                          f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
