@@ -160,6 +160,43 @@ def _attn_fwd_inner(
 
 
 @triton.jit
+def _key_blocks(start_m, L, S, win_lo, win_hi,
+                IS_CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key range of query tile ``start_m`` (rows start_m * BLOCK_M ..), as ``(lo, full_lo, full_hi, hi)``:
+    keys in [lo, hi) are visited, the others skipped; the blocks in [full_lo, full_hi) are whole (every key
+    exists) and seen by every row of the tile, so they need no mask. The forward kernel and dQ's share it."""
+    if IS_CAUSAL:
+        hi = tl.minimum(S, (start_m + 1) * BLOCK_M)
+        full_hi = tl.minimum(start_m * BLOCK_M, (S // BLOCK_N) * BLOCK_N)
+    else:
+        hi = S
+        full_hi = (S // BLOCK_N) * BLOCK_N
+    lo = 0
+    full_lo = 0
+    if WINDOW_LEFT or WINDOW_RIGHT:
+        # The tile's rows first..last see the keys first + win_lo .. last + win_hi
+        # between them.
+        first = start_m * BLOCK_M
+        last = tl.minimum(first + BLOCK_M, L) - 1
+        if IS_CAUSAL:
+            # (the causal bound above counts rows past L too)
+            hi = tl.minimum(hi, last + 1)
+        # j <= i + win_hi: the last row reaches furthest right, the first least
+        if WINDOW_RIGHT:
+            hi = tl.minimum(hi, last + win_hi + 1)
+            full_hi = tl.minimum(
+                full_hi, tl.maximum(first + win_hi + 1, 0) // BLOCK_N * BLOCK_N)
+        # j >= i + win_lo: the first row reaches furthest left, the last least
+        if WINDOW_LEFT:
+            lo = tl.maximum(first + win_lo, 0) // BLOCK_N * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(last + win_lo, 0), BLOCK_N) * BLOCK_N
+            # lo is rounded down: a tile that sees no key visits no block
+            hi = tl.where(first + win_lo < hi, hi, 0)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, KPM, O, LSE,
     stride_qb, stride_qh, stride_qm,
@@ -201,35 +238,8 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # unnormalised output
-    # Keys in [lo, hi) are visited, the others skipped; blocks in [full_lo, full_hi) are
-    # whole (every key exists) and seen by every row of the tile: no mask there.
-    if IS_CAUSAL:
-        hi = tl.minimum(S, (start_m + 1) * BLOCK_M)
-        full_hi = tl.minimum(start_m * BLOCK_M, (S // BLOCK_N) * BLOCK_N)
-    else:
-        hi = S
-        full_hi = (S // BLOCK_N) * BLOCK_N
-    lo = 0
-    full_lo = 0
-    if WINDOW_LEFT or WINDOW_RIGHT:
-        # The tile's rows first..last see the keys first + win_lo .. last + win_hi
-        # between them.
-        first = start_m * BLOCK_M
-        last = tl.minimum(first + BLOCK_M, L) - 1
-        if IS_CAUSAL:
-            # (the causal bound above counts rows past L too)
-            hi = tl.minimum(hi, last + 1)
-        # j <= i + win_hi: the last row reaches furthest right, the first least
-        if WINDOW_RIGHT:
-            hi = tl.minimum(hi, last + win_hi + 1)
-            full_hi = tl.minimum(
-                full_hi, tl.maximum(first + win_hi + 1, 0) // BLOCK_N * BLOCK_N)
-        # j >= i + win_lo: the first row reaches furthest left, the last least
-        if WINDOW_LEFT:
-            lo = tl.maximum(first + win_lo, 0) // BLOCK_N * BLOCK_N
-            full_lo = tl.cdiv(tl.maximum(last + win_lo, 0), BLOCK_N) * BLOCK_N
-            # lo is rounded down: a tile that sees no key visits no block
-            hi = tl.where(first + win_lo < hi, hi, 0)
+    lo, full_lo, full_hi, hi = _key_blocks(start_m, L, S, win_lo, win_hi, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                                           BLOCK_M, BLOCK_N)
     if WINDOW_LEFT:  # masked blocks left of the unmasked ones
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_kn, stride_vn, k_desc, v_desc,
@@ -498,27 +508,9 @@ def _attn_bwd_dq(
     lse = tl.load(LSE + row, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
-    # The key blocks of the forward kernel: [lo, hi) visited, [full_lo, full_hi) unmasked.
-    if IS_CAUSAL:
-        hi = tl.minimum(S, (start_m + 1) * BLOCK_M2)
-        full_hi = tl.minimum(start_m * BLOCK_M2, (S // BLOCK_N2) * BLOCK_N2)
-    else:
-        hi = S
-        full_hi = (S // BLOCK_N2) * BLOCK_N2
-    lo = 0
-    full_lo = 0
-    if WINDOW_LEFT or WINDOW_RIGHT:
-        first = start_m * BLOCK_M2
-        last = tl.minimum(first + BLOCK_M2, L) - 1
-        if IS_CAUSAL:
-            hi = tl.minimum(hi, last + 1)
-        if WINDOW_RIGHT:
-            hi = tl.minimum(hi, last + win_hi + 1)
-            full_hi = tl.minimum(full_hi, tl.maximum(first + win_hi + 1, 0) // BLOCK_N2 * BLOCK_N2)
-        if WINDOW_LEFT:
-            lo = tl.maximum(first + win_lo, 0) // BLOCK_N2 * BLOCK_N2
-            full_lo = tl.cdiv(tl.maximum(last + win_lo, 0), BLOCK_N2) * BLOCK_N2
-            hi = tl.where(first + win_lo < hi, hi, 0)
+    # the forward kernel's key blocks: [lo, hi) visited, [full_lo, full_hi) unmasked
+    lo, full_lo, full_hi, hi = _key_blocks(start_m, L, S, win_lo, win_hi, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                                           BLOCK_M2, BLOCK_N2)
     kpm_base = KPM + off_b * stride_mb
     if USE_TMA:  # this head's keys and values as (S, D) row-major tensors
         k_desc = tl.make_tensor_descriptor(K + kv_off, shape=[S, D], strides=[stride_kn, 1],

@@ -696,9 +696,15 @@ def _compile_loops(kernel: str, inner: str):
         return steps
 
     steps = plan(ast.parse(kernel_source(kernel)).body[0].body)
+    # _key_blocks, which the forward and dQ kernels call for their bounds, as a plain function
+    helper = ast.parse(kernel_source("_key_blocks")).body[0]
+    helper.decorator_list = []
+    helper_scope = {"tl": SimpleNamespace(**vars(_FAKE_TL), constexpr=None)}
+    exec(compile(ast.Module([helper], []), "_key_blocks", "exec"), helper_scope)  # noqa: S102 - the kernel's own source
 
     def run(scope, steps=steps, out=None):
         out = [] if out is None else out
+        scope.setdefault("_key_blocks", helper_scope["_key_blocks"])
         for step in steps:
             if step[0] == "exec":
                 exec(step[1], scope)  # noqa: S102 - the kernel's own bound lines, read from its source
