@@ -207,16 +207,76 @@ def test_the_newest_tier_marker_names_real_files_and_marks_the_rest(request):
     assert request.node.get_closest_marker(conftest.UPSTREAM) is None  # this file is its own
 
 
+def _readme_map() -> list[str]:
+    """The lines of the README's layout that describe the package (from ``attention_ref/`` to the next top-level entry)."""
+    lines = (PACKAGE.parent / "README.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("attention_ref/ ")))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i] and not lines[i].startswith(" "))
+    return lines[start + 1:end]
+
+
+def _readme_layers(lines: list[str]) -> dict[str, int]:
+    """Each top-level module of the README's map (``viz``, ``distributed``) -> its layer: 1 to 5 under the headings
+    ``computing 1`` .. ``computing 5``, 0 under ``teaching`` (above them all: what teaches may import anything, and
+    nothing that computes imports it). ``__init__.py`` stands before the first heading and has none."""
+    layers: dict[str, int] = {}
+    layer = None
+    for line in lines:
+        words = line.split()
+        if not line.startswith("  ") or line.startswith("   ") or not words:
+            continue  # a subpackage's file, a description's continuation or a blank line
+        if words[0] == "computing" and words[1].isdigit():
+            layer = int(words[1])
+        elif words[0] == "teaching":
+            layer = 0
+        elif layer is not None and (words[0].endswith(".py") or words[0].endswith("/")):
+            name = words[0].removesuffix(".py").removesuffix("/")
+            if (PACKAGE / name).is_dir() and not (PACKAGE / name / "__init__.py").is_file():
+                continue  # a folder of data (``data/``), not a module
+            layers[name] = layer
+    return layers
+
+
+def _imports_against_the_layers(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Each import of a module from a layer above its own (a smaller number), as ``a (layer 3) imports b (layer 2)``."""
+    bad = []
+    for name, imported in sorted(graph.items()):
+        mine = layers.get(name.split(".")[0])
+        for other in sorted(imported):
+            theirs = layers.get(other.split(".")[0])
+            if mine is not None and theirs is not None and theirs < mine:
+                bad.append(f"{name} (layer {mine}) imports {other} (layer {theirs})")
+    return bad
+
+
+def test_the_readme_map_gives_every_module_a_layer_and_the_imports_keep_them():
+    """The README's map groups the modules: what computes attention in five layers, top (what uses attention) to
+    bottom (building blocks and argument checks), and what teaches. Every module of the package stands in one group,
+    the teaching group is `TEACHING`, and no module imports from a layer above its own."""
+    graph, layers = _imports(), _readme_layers(_readme_map())
+    tops = {name.split(".")[0] for name in graph} - {"__init__"}
+    assert tops == set(layers), f"in the package, not in the map's groups: {sorted(tops - set(layers))}; " \
+                                f"in the map, not in the package: {sorted(set(layers) - tops)}"
+    assert {name for name, layer in layers.items() if layer == 0} == TEACHING
+    assert sorted(set(layers.values())) == [0, 1, 2, 3, 4, 5]
+    bad = _imports_against_the_layers(graph, layers)
+    assert not bad, "imports against the README's layers:\n" + "\n".join(bad)
+    # the rule itself: an import from a layer above is found, one from the same layer or below is not
+    planted = {**graph, "functional": graph["functional"] | {"kv_cache"}, "kv_cache": graph["kv_cache"] | {"quant"}}
+    assert _imports_against_the_layers(planted, layers) == [
+        f"functional (layer {layers['functional']}) imports kv_cache (layer {layers['kv_cache']})"]
+    assert _imports_against_the_layers({"mods": {"viz"}}, layers) == ["mods (layer 5) imports viz (layer 0)"]
+
+
 def test_the_readme_map_names_every_module():
     """A newcomer finds where a change belongs from the README's layout: every module of the package
-    has its line there (issue 48: five were missing), and so has every file of ``distributed/`` and
-    ``testing/``, under it."""
-    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
-    lines = readme.splitlines()
+    has its line there (issue 48: five were missing), and so has every file of each subpackage
+    (``distributed/``, ``testing/``, ``conformance/``), under it."""
+    lines = _readme_map()
     listed = {line.split()[0] for line in lines if line.startswith("  ") and line.split()}
     missing = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py" and p.name not in listed)
     assert not missing, f"README.md's layout lists no line for {missing}"
-    for package in ("distributed", "testing"):
+    for package in sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")):
         start = lines.index(next(line for line in lines if line.startswith(f"  {package}/ ")))
         under = set()
         for line in lines[start + 1:]:
