@@ -9,6 +9,7 @@ argument checks at the bottom, the paths above them, the dispatch on top.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,13 @@ def _module_name(path: Path) -> str:
 
 def _imports() -> dict[str, set[str]]:
     """Every module of the package, the subpackages' (``distributed/``, ``testing/``, ``conformance/``) included,
-    and the modules of the package it imports, each by its `_module_name`."""
+    and the modules of the package it imports, each by its `_module_name` (a copy a test may change)."""
+    return {name: set(imported) for name, imported in _parsed_imports().items()}
+
+
+@functools.cache
+def _parsed_imports() -> dict[str, set[str]]:
+    """`_imports`, read from the source once per process (each read parses the whole package: 0.5 s)."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {_module_name(p) for p in paths}
 
