@@ -387,10 +387,12 @@ def test_env(args: argparse.Namespace, extra: list[str], env: dict[str, str]) ->
 QUICK_IGNORES = ["--ignore=tests/docs", "--ignore=tests/site"]
 
 #: The marker of the heavy sweeps (every model type the installed transformers offers, built and compared
-#: with eager; tests/conftest.py declares it): with --newest they run once, in the newest tier, where the
-#: newest release's model types are, and the pinned tier leaves them out. Measured on 2 cores: 48 s of the
-#: pinned tier's test time in a check (tests/test_hf_sweep.py), and 9.7 s alone (the decoders of
-#: tests/test_hf_models.py).
+#: with eager; torch's and transformers' FlexAttention through the quick conformance matrix;
+#: tests/conftest.py declares it): with --newest they run once, in the newest tier, where the newest
+#: release's model types are, and the pinned tier leaves them out. Measured on 2 cores: 48 s of the
+#: pinned tier's test time in a check (tests/test_hf_sweep.py), 9.7 s alone (the decoders of
+#: tests/test_hf_models.py), 9.3 s and 10.6 s alone (the torch-flex and hf-flex adapters of
+#: tests/test_conformance.py, whose float32 cases the conformance page runs with the pinned versions).
 SWEEP_MARKER = "sweep"
 
 

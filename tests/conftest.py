@@ -105,7 +105,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "the newest tier leaves it out"
     )
     config.addinivalue_line(
-        "markers", "sweep: a heavy sweep over every model type of the installed transformers; with "
+        "markers", "sweep: a heavy sweep of another library (every model type of the installed transformers; "
+        "torch's and transformers' FlexAttention through the quick conformance matrix); with "
         "`dev.py check --newest` it runs in the newest tier only (dev.py's SWEEP_MARKER)"
     )
     name = config.getoption("--device") or os.environ.get("ATTENTION_REF_TEST_DEVICE") or "cpu"

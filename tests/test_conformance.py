@@ -119,7 +119,14 @@ def test_a_blhd_problem_is_the_transpose_and_paged_pools_hold_the_dense_keys():
 # ---- the shipped adapters ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+#: The adapters whose quick matrix is a heavy sweep of another library's FlexAttention (about 10 s each alone:
+#: dynamo traces the mods of every case): with `dev.py check --newest` they run in the newest tier only, and the
+#: pinned torch and transformers run them on the conformance page (float32, the build and the shown code).
+FLEX_SWEEPS = {"torch-flex", "hf-flex"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.sweep) if name in FLEX_SWEEPS else name
+                                  for name in sorted(EXPECTED)])
 def test_shipped_adapter_agrees_with_the_reference_except_its_known_bugs(name):
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
