@@ -2,8 +2,9 @@
 
 `attention_ref._validation.check_cu_seqlens` checks cumulative sequence lengths for the packed
 paths (`varlen`, `linear`'s ``cu_seqlens=``, `distributed`), and `require_int_tensor` every
-integer tensor argument (lengths, document ids, block tables, indptr arrays). Here the same
-wrong argument goes to functions of different modules, and the messages must be equal.
+integer tensor argument (lengths, document ids, block tables, indptr arrays), and
+`require_module_input` a module's input (MultiHeadAttention, MLA, `assert_module_close`). Here the
+same wrong argument goes to functions of different modules, and the messages must be equal.
 """
 
 from __future__ import annotations
@@ -73,3 +74,32 @@ def test_require_int_tensor_names_shape_device_and_list_mistakes():
     with pytest.raises(TypeError, match=r"^t must be a torch.Tensor, got list$"):
         require_int_tensor("t", [1, 2], "(B,)")  # a list only where the caller takes one
     assert require_int_tensor("t", torch.tensor([[1]]), "(B, S)", (2,)).shape == (1, 1)
+
+
+def _modules_of_width_16():
+    """Three modules that take (B, seq, 16) float64 inputs: MultiHeadAttention, MLA, and
+    assert_module_close checking a MultiHeadAttention (the checker's own input check)."""
+    from attention_ref import MultiHeadAttention
+    from attention_ref.mla import MultiHeadLatentAttention
+    from attention_ref.testing import assert_module_close
+
+    mha = MultiHeadAttention(16, 2, dtype=torch.float64)
+    mla = MultiHeadLatentAttention(16, 2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                                   v_head_dim=4, dtype=torch.float64)
+    return {"MultiHeadAttention": lambda x: mha(x), "MultiHeadLatentAttention": lambda x: mla(x),
+            "assert_module_close": lambda x: assert_module_close(mha, x)}
+
+
+@pytest.mark.parametrize("x, message", [
+    ([[0.0] * 16], (TypeError, "{} must be a torch.Tensor, got list")),
+    (torch.zeros(2, 3, 15, dtype=torch.float64), (ValueError, "{} must have shape (B, seq, 16), batch first, "
+                                                              "got (2, 3, 15)")),
+    (torch.zeros(3, 16, dtype=torch.float64), (ValueError, "{} must have shape (B, seq, 16), batch first, got (3, 16)")),
+    (torch.zeros(2, 3, 16), (TypeError, "{} must have the module's dtype (torch.float64), got torch.float32")),
+], ids=["list", "width", "unbatched", "dtype"])
+def test_a_wrong_module_input_gets_one_message_from_every_module(x, message):
+    """`require_module_input`: the same wrong input, the same message (naming each module's argument)."""
+    kind, text = message
+    names = {"MultiHeadAttention": "query", "MultiHeadLatentAttention": "hidden_states", "assert_module_close": "query"}
+    for module, call in _modules_of_width_16().items():
+        assert _message(lambda: call(x)) == (kind, text.format(names[module])), module
