@@ -205,18 +205,19 @@ def select_backend(
         check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     if sinks is not None:
         sinks = check_sinks(sinks, heads_of(batch), query, rows=(*batch, query.shape[-2]))
-    call = Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse,
-                sinks=sinks, block_mask=block_mask)
-    return _select(backend, call)
+    call = ValidatedCall(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                         return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,
+                         return_lse=return_lse, sinks=sinks, block_mask=block_mask)
+    return resolve_backend(backend, call)
 
 
 # --- selection -------------------------------------------------------------------------------
 
 
 @dataclass
-class Call:
-    """One validated call: the tensors and every option a backend may not honour."""
+class ValidatedCall:
+    """One validated call: the tensors and every option a backend may not honour (what `resolve_backend`
+    judges and `run_backend` runs)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -241,8 +242,9 @@ class Call:
         return self.score_mod is not None or self.mask_mod is not None
 
 
-def _select(backend: str, call: Call) -> str:
-    """Resolve ``"auto"`` and check that the backend can honour the (validated) call."""
+def resolve_backend(backend: str, call: ValidatedCall) -> str:
+    """Resolve ``"auto"`` and check that the backend can honour the (validated) call: the dispatcher's first step
+    (`select_backend` and `attention_ref.functional.scaled_dot_product_attention` call it; not in ``__all__``)."""
     if backend == "auto":
         chosen = _auto(call)
         if (call.return_lse or call.sinks is not None) and chosen not in ("math", "tiled"):
@@ -254,7 +256,7 @@ def _select(backend: str, call: Call) -> str:
     return backend
 
 
-def _auto(call: Call) -> str:
+def _auto(call: ValidatedCall) -> str:
     """The facts `auto_rule` needs, read off the (validated) call."""
     query, key = call.query, call.key
     device = query.device.type
@@ -353,7 +355,7 @@ def auto_rule(
     return "sdpa"  # 6.
 
 
-def _unsupported(backend: str, call: Call) -> str | None:
+def _unsupported(backend: str, call: ValidatedCall) -> str | None:
     """Why ``backend`` cannot run this call, or ``None`` when it can."""
     query, value, mask, dropout_p = call.query, call.value, call.mask, call.dropout_p
     if backend == "math":
@@ -416,7 +418,7 @@ def _unsupported(backend: str, call: Call) -> str | None:
     return _triton_options(call)[1]
 
 
-def _triton_options(call: Call) -> tuple[dict[str, object], str | None]:
+def _triton_options(call: ValidatedCall) -> tuple[dict[str, object], str | None]:
     """The kernel's options for the call's mods, or the reason it has none for them.
 
     The kernel implements `mods.causal` and `mods.sliding_window` (as its
@@ -463,8 +465,10 @@ def _triton_available(device: torch.device) -> bool:
 # --- running ---------------------------------------------------------------------------------
 
 
-def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run a non-math backend on a validated call (key/value heads not expanded)."""
+def run_backend(backend: str, call: ValidatedCall,
+                scale: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run a non-math backend on a validated call (key/value heads not expanded): the dispatcher's second step
+    (`attention_ref.functional.scaled_dot_product_attention` calls it; not in ``__all__``)."""
     query, key, value, mask = call.query, call.key, call.value, call.mask
     if backend == "tiled":
         # A block mask (the caller's, or the one "auto" made) brings its block sizes; a mask_mod
@@ -495,7 +499,7 @@ def _run(backend: str, call: Call, scale: float) -> torch.Tensor | tuple[torch.T
         options, _ = _triton_options(call)
         return _triton(query, key, value, mask, is_causal=call.is_causal, scale=scale, enable_gqa=call.enable_gqa,
                        **options)
-    raise AssertionError(f"unreachable: backend {backend!r}")  # _select only returns known names
+    raise AssertionError(f"unreachable: backend {backend!r}")  # resolve_backend only returns known names
 
 
 def _as_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int) -> torch.Tensor:

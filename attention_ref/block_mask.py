@@ -342,7 +342,7 @@ def resolve_mask_mod(mask_mod: mods.MaskMod | None, block_mask: object) -> mods.
     return block_mask.mask_mod
 
 
-def made_by(block_mask: object, attribute: str, maker: str) -> tuple[mods.MaskMod, tuple]:
+def recorded_on(block_mask: object, attribute: str, maker: str) -> tuple[mods.MaskMod, tuple]:
     """The mod of ``block_mask`` and the arguments ``maker`` recorded on it as ``attribute``.
 
     Raises:

@@ -384,12 +384,12 @@ def scaled_dot_product_attention(
     if block_mask is not None:  # made for these sizes (its blocks are the tiled backend's)
         check_block_mask(block_mask, None, batch, query.shape[-2], key.shape[-2])
     sinks = _checked_sinks(sinks, batch, query)
-    call = _backends.Call(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                          return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,
-                          return_lse=return_lse, sinks=sinks, block_mask=block_mask)
-    chosen = _backends._select(backend, call)
+    call = _backends.ValidatedCall(query, key, value, mask, is_causal=is_causal, dropout_p=dropout_p,
+                                   enable_gqa=enable_gqa, return_weights=return_weights, score_mod=score_mod,
+                                   mask_mod=mask_mod, return_lse=return_lse, sinks=sinks, block_mask=block_mask)
+    chosen = _backends.resolve_backend(backend, call)
     if chosen != "math":
-        return _backends._run(chosen, call, resolved)
+        return _backends.run_backend(chosen, call, resolved)
     if enable_gqa:  # (..., Hkv, S, E) -> (..., H, S, E) for the reference math
         key, value = _inputs.expand_kv_heads(query, key, "key"), _inputs.expand_kv_heads(query, value, "value")
     scores = masked_scores(query, key, mask, is_causal, resolved, score_mod, mask_mod)  # (..., L, S)

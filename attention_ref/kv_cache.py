@@ -70,7 +70,7 @@ import torch
 
 from attention_ref import mods
 from attention_ref._validation import check_dense, check_positive_int, fmt_shape, require_int_tensor, require_tensor
-from attention_ref.block_mask import BlockMask, made_by
+from attention_ref.block_mask import BlockMask, recorded_on
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.quant import FORMATS, dequantize_fp8, quantize_fp8, to_torch_float8
 from attention_ref.sinks import check_sinks
@@ -232,8 +232,8 @@ def _block_mask_for(
     block_mask: object, cache_seqlens: torch.Tensor, num_queries: int, is_causal: bool, B: int
 ) -> mods.MaskMod:
     """The mod of a ``block_mask`` made from `kv_cache_mask_mod` with this call's arguments."""
-    mask_mod, (seqlens, lq, causal) = made_by(block_mask, "_attention_ref_kv_cache",
-                                               "kv_cache_mask_mod(cache_seqlens, Lq, is_causal=...)")
+    mask_mod, (seqlens, lq, causal) = recorded_on(block_mask, "_attention_ref_kv_cache",
+                                                   "kv_cache_mask_mod(cache_seqlens, Lq, is_causal=...)")
     if not torch.equal(seqlens.to(device=cache_seqlens.device, dtype=cache_seqlens.dtype), cache_seqlens):
         raise ValueError(
             f"block_mask was made for cache_seqlens={seqlens.tolist()}, this call has "

@@ -152,7 +152,7 @@ def _with_checks(mod: Callable[..., object], checks: Sequence[Callable[[int, int
     mod._attention_ref_checks = tuple(checks)  # type: ignore[attr-defined]
 
 
-def _made_by(mod: Callable[..., object], factory: str, **arguments: object) -> None:
+def _record_factory(mod: Callable[..., object], factory: str, **arguments: object) -> None:
     """Record which factory made ``mod`` and with what arguments (read by `describe`)."""
     mod._attention_ref_made_by = (factory, dict(arguments))  # type: ignore[attr-defined]
 
@@ -227,7 +227,7 @@ def causal(offset: int = 0) -> MaskMod:
     def causal_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return kv_idx <= q_idx + offset
 
-    _made_by(causal_mask_mod, "causal", offset=offset)
+    _record_factory(causal_mask_mod, "causal", offset=offset)
     return causal_mask_mod
 
 
@@ -307,7 +307,7 @@ def sliding_window(left: int | None, right: int | None = 0, offset: int = 0, *, 
             keep = keep & (distance <= right)
         return keep
 
-    _made_by(sliding_window_mask_mod, "sliding_window", left=left, right=right, offset=offset, sink_tokens=sink_tokens)
+    _record_factory(sliding_window_mask_mod, "sliding_window", left=left, right=right, offset=offset, sink_tokens=sink_tokens)
     return sliding_window_mask_mod
 
 
@@ -788,7 +788,7 @@ def softcap(cap: float) -> ScoreMod:
     ) -> torch.Tensor:
         return cap * torch.tanh(score / cap)
 
-    _made_by(softcap_score_mod, "softcap", cap=cap)
+    _record_factory(softcap_score_mod, "softcap", cap=cap)
     return softcap_score_mod
 
 

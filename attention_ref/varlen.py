@@ -56,7 +56,7 @@ from attention_ref._validation import (
     require_tensor,
     short_list,
 )
-from attention_ref.block_mask import BlockMask, made_by
+from attention_ref.block_mask import BlockMask, recorded_on
 from attention_ref.functional import scaled_dot_product_attention
 from attention_ref.sinks import check_sinks
 
@@ -260,8 +260,8 @@ def _mask_mod(cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.M
 
 def _block_mask_for(block_mask: object, cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool) -> mods.MaskMod:
     """The mod of a ``block_mask`` made from ``varlen_mask_mod`` with this call's lengths and ``is_causal``."""
-    mask_mod, made = made_by(block_mask, "_attention_ref_varlen",
-                              "varlen_mask_mod(cu_seqlens_q, cu_seqlens_k, is_causal=...)")
+    mask_mod, made = recorded_on(block_mask, "_attention_ref_varlen",
+                                  "varlen_mask_mod(cu_seqlens_q, cu_seqlens_k, is_causal=...)")
     for name, want, got in (("cu_seqlens_q", cu_q, made[0]), ("cu_seqlens_k", cu_k, made[1])):
         if not torch.equal(got.to(want.device), want):
             raise ValueError(

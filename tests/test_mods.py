@@ -630,7 +630,7 @@ def test_the_triton_kernel_takes_the_mods_it_implements(given_mods, options):
     from attention_ref import backends
 
     q, k, v = _small()
-    assert backends._triton_options(backends.Call(q, k, v, None, **given_mods)) == (options, None)
+    assert backends._triton_options(backends.ValidatedCall(q, k, v, None, **given_mods)) == (options, None)
 
 
 @pytest.mark.parametrize(
@@ -649,7 +649,7 @@ def test_the_triton_kernel_refuses_other_mods(given_mods, named):
     from attention_ref import backends
 
     q, k, v = _small()
-    options, reason = backends._triton_options(backends.Call(q, k, v, None, **given_mods))
+    options, reason = backends._triton_options(backends.ValidatedCall(q, k, v, None, **given_mods))
     assert reason is not None and named in reason and "use backend='math' or 'tiled'" in reason
 
 

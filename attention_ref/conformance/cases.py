@@ -433,6 +433,8 @@ def to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 # --- the scenarios ------------------------------------------------------------------------------------
+# Each builder ``_<scenario>(z, g)`` makes the tensors and keywords of the scenario of that name (the table
+# `SCENARIOS` below pairs them) from the case's sizes ``z`` (a `_Sizes`) and a seeded generator ``g``.
 
 
 def _randn(generator: torch.Generator, *shape: int) -> torch.Tensor:
@@ -469,7 +471,8 @@ def _float_mask(g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
     return bias.masked_fill(~_random_keep(g, shape, p=0.8), float("-inf"))
 
 
-def _self(z: _Sizes, g: torch.Generator, **kw) -> dict:
+def _qkv_square(z: _Sizes, g: torch.Generator, **kw) -> dict:
+    """`_qkv` with as many queries as keys (``L == S``, the sizes' self-attention length)."""
     return _qkv(z, g, L=z.self_length, S=z.self_length, **kw)
 
 
@@ -478,7 +481,7 @@ def _plain(z, g):
 
 
 def _self_attention(z, g):
-    return _self(z, g)
+    return _qkv_square(z, g)
 
 
 def _scale(z, g):
@@ -553,22 +556,22 @@ def _causal_bottom_right_tall(z, g):
 
 
 def _sliding_window(z, g):
-    return {**_self(z, g), "window": (3, 0)}
+    return {**_qkv_square(z, g), "window": (3, 0)}
 
 
 def _sliding_window_both_sides(z, g):
-    return {**_self(z, g), "window": (2, 3)}
+    return {**_qkv_square(z, g), "window": (2, 3)}
 
 
 def _chunked(z, g):
-    return {**_self(z, g), "chunk_size": 4, "causal": "top_left"}
+    return {**_qkv_square(z, g), "chunk_size": 4, "causal": "top_left"}
 
 
 def _document(z, g):
     n = z.self_length
     starts = torch.stack([torch.randperm(n - 1, generator=g)[:2].sort().values + 1 for _ in range(z.B)])  # (B, 2)
     ids = (torch.arange(n)[None, :, None] >= starts[:, None, :]).sum(-1)  # (B, L): 3 documents per row
-    return {**_self(z, g), "document_ids": ids}
+    return {**_qkv_square(z, g), "document_ids": ids}
 
 
 def _softcap(z, g):
@@ -578,7 +581,7 @@ def _softcap(z, g):
 
 
 def _alibi(z, g):
-    return {**_self(z, g), "alibi_slopes": mods.alibi_slopes(z.H), "causal": "top_left"}
+    return {**_qkv_square(z, g), "alibi_slopes": mods.alibi_slopes(z.H), "causal": "top_left"}
 
 
 def _sinks(z, g):
