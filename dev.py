@@ -146,6 +146,7 @@ def setup_newest(log: IO[str] | None = None) -> float:
          "the first time, then links from uv's cache)")
     run(newest_install("-e", f".[{NEWEST_EXTRAS}]", log=log), log=log)
     run(newest_install("--no-deps", NO_DEPS_PACKAGES[0], log=log), log=log)
+    run(PRUNE_UV_CACHE, log=log)
     return time.perf_counter() - start
 
 
@@ -156,6 +157,14 @@ def setup_newest(log: IO[str] | None = None) -> float:
 #: machine's /etc/xdg/pip held pip at torch 2.14.1 when PyPI served 2.15.0); uv reads none of it and
 #: takes what the registry serves.
 UV = VENV_NEWEST / ("Scripts" if os.name == "nt" else "bin") / ("uv.exe" if os.name == "nt" else "uv")
+
+#: Run after each newest set-up: uv keeps every archive it unpacked, and with ``--upgrade`` a set-up may
+#: fetch the same releases again and leave the earlier copy behind, unused. Measured (2026-12-07): after
+#: four checks in fresh clones, ~/.cache/uv held four copies of torch 2.15.0's CUDA build and its
+#: libraries, 23 GB; pruned, 5.7 GB (one copy, 1 s). Checks leave nothing else that grows with their
+#: number; a session that ran eight of them saw CI fail next on the same machine, "No space left on
+#: device" in its first pip install.
+PRUNE_UV_CACHE = [UV, "cache", "prune"]
 
 
 def newest_install(*requirements: str, log: IO[str] | None = None) -> list[str]:

