@@ -232,7 +232,8 @@ def _readme_layers(lines: list[str]) -> dict[str, int]:
         words = line.split()
         if not line.startswith("  ") or line.startswith("   ") or not words:
             continue  # a subpackage's file, a description's continuation or a blank line
-        if words[0] == "computing" and words[1].isdigit():
+        if words[0] == "computing":
+            assert words[1] in "12345" and len(words[1]) == 1, f"a heading 'computing {words[1]}': its layer must be 1 to 5"
             layer = int(words[1])
         elif words[0] == "teaching":
             layer = 0
@@ -292,3 +293,15 @@ def test_the_readme_map_names_every_module():
             under.add(line.split()[0])
         missing = sorted(p.name for p in (PACKAGE / package).glob("*.py") if p.name not in under)
         assert not missing, f"README.md's layout lists no line under {package}/ for {missing}"
+
+
+def test_every_checker_is_gathered_in_testing():
+    """A reader looking for the checkers finds them all in `attention_ref.testing`, `assert_topk_close`
+    (which lives beside the indexer it checks) included, as the same objects."""
+    import attention_ref.testing as testing
+    from attention_ref import sparse
+
+    assert testing.assert_topk_close is sparse.assert_topk_close
+    checkers = {name for name in dir(testing) if name.startswith("assert_")}
+    assert checkers == {name for name in testing.__all__ if name.startswith("assert_")}, checkers
+    assert "assert_topk_close" in checkers

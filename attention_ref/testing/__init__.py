@@ -74,8 +74,9 @@ quantity, the numbers of a failure's message, `CheckReport`), ``rounding.py`` (`
 right kernel may round away on a row), ``baseline.py`` (the low-precision baseline, the float64
 reference's arguments, the float-mask convention), ``messages.py`` (positions, rows and dtypes as
 the messages write them) and ``arguments.py`` (the options the checkers share). Imports flow down
-that list; this file only gathers the public names. `attention_ref.sparse.assert_topk_close`, which
-judges a top-k selection by its scores, lives beside the indexer it checks.
+that list; this file only gathers the public names. `assert_topk_close`, which judges a top-k
+selection by its scores, lives beside the indexer it checks (`attention_ref.sparse`) and is gathered
+here too, beside the other checkers.
 
 Shapes use the package legend: ``B`` batch, ``H`` query heads, ``Hkv``
 key/value heads, ``L`` query length, ``S`` key length, ``E`` query/key size,
@@ -84,6 +85,7 @@ key/value heads, ``L`` query length, ``S`` key length, ``E`` query/key size,
 
 from __future__ import annotations
 
+from attention_ref.sparse import assert_topk_close
 from attention_ref.testing.attention import assert_attention_close
 from attention_ref.testing.linear import assert_linear_attention_close
 from attention_ref.testing.low_precision import (
@@ -100,4 +102,5 @@ __all__ = [
     "assert_fp8_attention_close",
     "assert_linear_attention_close",
     "assert_module_close",
+    "assert_topk_close",
 ]
