@@ -59,15 +59,14 @@ Shapes use the package legend (``B``, ``H``, ``L``, ``S``, ``E``, ``Ev``).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import time
+import sys
+import types
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from attention_ref import _inputs, mods
+from attention_ref import _inputs, mods, threads
 from attention_ref._validation import check_positive_int
 from attention_ref.block_mask import (  # the block mask, which this path reads and skips by
     DEFAULT_BLOCK_K,
@@ -85,9 +84,12 @@ from attention_ref.block_mask import (  # the block mask, which this path reads 
 )
 from attention_ref.sinks import add_sinks, check_sinks, heads_of
 
-# BlockMask, create_block_mask and the default block sizes live in attention_ref.block_mask; the names
-# stay importable from here, as the same objects
-__all__ = ["ADAPT_THREADS", "fitting_threads", "tiled_attention"]
+from attention_ref.threads import fitting_threads
+
+# BlockMask, create_block_mask and the default block sizes live in attention_ref.block_mask, the
+# thread budget (ADAPT_THREADS, fitting_threads) in attention_ref.threads; the names stay importable
+# from here, as the same objects, and `tiled.ADAPT_THREADS = False` still sets the flag (below)
+__all__ = ["fitting_threads", "tiled_attention"]
 
 
 _NEG_INF = float("-inf")
@@ -98,94 +100,6 @@ _LN2 = math.log(2.0)
 _LAZY_GROWTH = 32
 #: With a block mask, neighbouring non-empty key blocks are computed together, up to this many keys.
 _SPAN_KEYS = 512
-#: Whether a tiled call on CPU runs on fewer intra-op threads while other processes keep cores
-#: busy (read from Linux's /proc; elsewhere the threads stay as they are). The path issues many
-#: small parallel operations per block, and each waits for its slowest thread: a thread that
-#: shares its core with another process stalls every one of them (benchmarks/block_mask_bench.py
-#: measured the tiled path 2.0x faster on one thread than on two with one of two cores busy).
-ADAPT_THREADS = True
-#: Calls with fewer (query, key) pairs than this keep their threads (the check costs ~0.1 ms, 8 ms more
-#: when a core looks busy).
-_ADAPT_MIN_PAIRS = 2**22
-
-
-def _runnable() -> int:
-    """Runnable tasks of the whole machine right now (the count before the slash in /proc/loadavg)."""
-    with open("/proc/loadavg") as f:
-        return int(f.read().split()[3].split("/")[0])
-
-
-def _own_running() -> int:
-    """This process's threads that are running or runnable (state ``R`` in /proc/self/task/*/stat)."""
-    own = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        own += stat[stat.rindex(")") + 2] == "R"  # the state follows the command name
-    return own
-
-
-#: Seconds between the readings of `_others_running`: a task that runs for less than twice this
-#: (a short-lived process, this process's OpenMP workers spinning down) is not load. At 1 ms, a
-#: quiet process still chose one thread in 1 of 40 calls now and then (benchmarks/threads_bench.py).
-_READING_GAP_S = 0.004
-
-
-def _others_running() -> int:
-    """Runnable tasks of other processes right now: the least of three paired readings, 4 ms apart,
-    of the machine's runnable tasks minus this process's own at that moment.
-
-    A process that keeps a core busy shows in every reading; a passing task, or this process's
-    OpenMP workers still spinning just after a parallel region, does not (read back to back, the
-    three readings counted them, and a quiet call ran at 0.47x: issue 30).
-    """
-    least = _runnable() - _own_running()
-    for _ in range(2):
-        if least <= 0:
-            break
-        time.sleep(_READING_GAP_S)
-        least = min(least, _runnable() - _own_running())
-    return max(least, 0)
-
-
-def fitting_threads() -> int | None:
-    """The intra-op threads a tiled call should use now, or ``None`` to keep ``torch.get_num_threads()``.
-
-    ``torch.get_num_threads()`` minus the cores other processes keep busy (the
-    machine's runnable tasks, least of three readings so a passing task does not
-    count, minus this process's own), at least 1; ``None`` when nothing is busy,
-    when `ADAPT_THREADS` is False, or where ``/proc`` cannot tell.
-    """
-    if not ADAPT_THREADS:
-        return None
-    try:
-        busy = _others_running()
-        cores = len(os.sched_getaffinity(0))
-    except (OSError, ValueError, IndexError, AttributeError):  # not Linux, or /proc unreadable
-        return None
-    threads = torch.get_num_threads()
-    fitting = max(1, min(threads, cores - busy))
-    return fitting if fitting < threads else None
-
-
-@contextlib.contextmanager
-def _threads_for(pairs: int, device: torch.device):
-    """Run the body on `fitting_threads` intra-op threads (restored after) when the call is large enough."""
-    threads = fitting_threads() if device.type == "cpu" and pairs >= _ADAPT_MIN_PAIRS else None
-    if threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _pairs(q: torch.Tensor, k: torch.Tensor) -> int:
     """(query, key) pairs of a call on `_TiledAttention`'s layouts: q (NK, G, L, E), k (NK, S, E)."""
     NK, G, L, _ = q.shape
@@ -374,7 +288,7 @@ def tiled_attention_prepared(
         v = value.to(compute).expand(*batch, S, Ev).reshape(N, S, Ev)
     mods_ = (score_mod, mask_mod, kinds, pieces)
     # (N * Hkv, G, L, Ev) and (N * Hkv, G, L, 1), the log-sum-exp in natural-log units
-    with _threads_for(_pairs(q, k), q.device):  # fewer threads while other processes keep cores busy
+    with threads.threads_for(_pairs(q, k), q.device):  # fewer threads while other processes keep cores busy
         out, lse = _TiledAttention.apply(q, k, v, mask, is_causal, batch, block_q, block_k, mods_)
     out, lse = out.reshape(*batch, L, Ev), lse.reshape(*batch, L)  # -> (..., L, Ev), (N * Hkv, G, L, 1) -> (..., L)
     if sinks is not None:  # once, over all keys: sink-free blocks merged first, then the sink
@@ -646,7 +560,7 @@ class _TiledAttention(torch.autograd.Function):
     @once_differentiable  # the blockwise backward is not itself differentiable
     def backward(ctx, d_out, d_lse):  # type: ignore[override]
         q, k = ctx.saved_tensors[:2]
-        with _threads_for(_pairs(q, k), q.device):  # as the forward, on the threads that fit now
+        with threads.threads_for(_pairs(q, k), q.device):  # as the forward, on the threads that fit now
             return _TiledAttention._backward(ctx, d_out, d_lse)
 
     @staticmethod
@@ -734,3 +648,22 @@ def _score_mod_vjp(
         (grad,) = torch.autograd.grad(modified, raw2, ds.view_as(raw2))
     # d modified / d raw2 = d modified / d raw * ln 2; the caller's final factor ln 2 is for q k^T itself.
     return (grad * _LOG2E).reshape(NK, GB, bk)
+
+
+class _TiledModule(types.ModuleType):
+    """This module's type: ``tiled.ADAPT_THREADS`` reads and sets `attention_ref.threads.ADAPT_THREADS`.
+
+    The flag lived here before the thread budget got a module of its own; a plain copy would make
+    ``tiled.ADAPT_THREADS = False`` change nothing, without a word.
+    """
+
+    @property
+    def ADAPT_THREADS(self) -> bool:  # noqa: N802 (the flag's public name)
+        return threads.ADAPT_THREADS
+
+    @ADAPT_THREADS.setter
+    def ADAPT_THREADS(self, value: bool) -> None:  # noqa: N802
+        threads.ADAPT_THREADS = value
+
+
+sys.modules[__name__].__class__ = _TiledModule

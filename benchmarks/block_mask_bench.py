@@ -22,8 +22,8 @@ Three parts:
 3. Contention: L=S=4096, H=8, D=64, float32, causal, forward; the tiled path against torch's
    CPU SDPA, in turns, first on a quiet machine, then with one core kept busy by another
    process (a Python busy loop started by this script). The tiled path runs as a user gets it
-   (``tiled``: on `tiled.fitting_threads`, fewer threads while cores are busy), on every thread
-   as before that choice (``tiled_all_threads``, ``tiled.ADAPT_THREADS = False``), and under
+   (``tiled``: on `attention_ref.threads.fitting_threads`, fewer threads while cores are busy), on every thread
+   as before that choice (``tiled_all_threads``, ``attention_ref.threads.ADAPT_THREADS = False``), and under
    load on one thread set by hand. The ratio is the tiled path's throughput over SDPA's.
 
 Each case is warmed up, then the cases of a group run in turns, ``--reps`` times; the median
@@ -54,6 +54,7 @@ from attention_bench import _load, provenance  # noqa: E402
 from block_sparse_bench import _say, _time, _write_dated  # noqa: E402  (cases timed in turns, as there)
 
 from attention_ref import mods, scaled_dot_product_attention, tiled  # noqa: E402
+from attention_ref import threads as budget  # noqa: E402
 from attention_ref.backends import TILED_MODS_BLOCK_K, TILED_MODS_BLOCK_Q  # noqa: E402
 
 #: The commit whose ``create_block_mask`` is the "before" (the last one before issue 23's change).
@@ -159,11 +160,11 @@ def contention_part(reps: int, length: int) -> dict:
             torch.set_num_threads(threads)
 
     def tiled_all_threads():  # as before the per-call choice: every thread, busy cores or not
-        tiled.ADAPT_THREADS = False
+        budget.ADAPT_THREADS = False
         try:
             tiled.tiled_attention(q, k, v, is_causal=True)
         finally:
-            tiled.ADAPT_THREADS = True
+            budget.ADAPT_THREADS = True
 
     cases = {"tiled": lambda: tiled.tiled_attention(q, k, v, is_causal=True),
              "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -171,12 +172,12 @@ def contention_part(reps: int, length: int) -> dict:
     rows = {}
     fitting = {}
     with torch.no_grad():
-        fitting["quiet"] = tiled.fitting_threads()
+        fitting["quiet"] = budget.fitting_threads()
         rows["quiet"] = _time(cases, reps)
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # one core kept busy
         try:
             time.sleep(0.5)
-            fitting["one_core_busy"] = tiled.fitting_threads()
+            fitting["one_core_busy"] = budget.fitting_threads()
             rows["one_core_busy"] = _time({**cases, "tiled_1_thread": tiled_one_thread}, reps)
         finally:
             busy.kill()

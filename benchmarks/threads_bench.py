@@ -8,8 +8,8 @@ with its provenance. Run from the repository root, on a machine nothing else is 
 The call: `tiled.tiled_attention`, B=1, H=8, L=S=4096, D=64, float32, causal, forward, under
 ``torch.no_grad()``. Three ways to choose its threads, each timed call by call:
 
-- ``all_threads``: ``tiled.ADAPT_THREADS = False``, every thread whatever the load;
-- ``adapted``: `tiled.fitting_threads` as shipped (paired readings of the machine's runnable
+- ``all_threads``: ``attention_ref.threads.ADAPT_THREADS = False``, every thread whatever the load;
+- ``adapted``: `attention_ref.threads.fitting_threads` as shipped (paired readings of the machine's runnable
   tasks and this process's own, the least of three taken 4 ms apart);
 - ``adapted_before``: the reading before issue 30 (the machine's least of three readings minus
   one later reading of this process's own threads), put back for this run only.
@@ -44,19 +44,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_bench import _load, provenance  # noqa: E402
 from block_sparse_bench import _say, _write_dated  # noqa: E402
 
+from attention_ref import threads as budget  # noqa: E402
 from attention_ref import tiled  # noqa: E402
 
 
 def _others_running_before() -> int:
     """The reading before issue 30: the machine's least of three readings minus one later reading of our own."""
-    return max(min(tiled._runnable() for _ in range(3)) - tiled._own_running(), 0)
+    return max(min(budget._runnable() for _ in range(3)) - budget._own_running(), 0)
 
 
 def _choices(q, k, v) -> tuple[dict, dict, dict]:
     """The calls; the threads each call's own choice gave (counted, and per call in order)."""
     used: dict[str, Counter] = {"all_threads": Counter(), "adapted": Counter(), "adapted_before": Counter()}
     per_call: dict[str, list[int]] = {name: [] for name in used}
-    shipped, choose = tiled._others_running, tiled.fitting_threads
+    shipped, choose = budget._others_running, budget.fitting_threads
 
     def call(name: str) -> None:
         chosen = []
@@ -66,14 +67,14 @@ def _choices(q, k, v) -> tuple[dict, dict, dict]:
             chosen.append(threads or torch.get_num_threads())
             return threads
 
-        tiled.ADAPT_THREADS = name != "all_threads"
-        tiled._others_running = _others_running_before if name == "adapted_before" else shipped
-        tiled.fitting_threads = recorded
+        budget.ADAPT_THREADS = name != "all_threads"
+        budget._others_running = _others_running_before if name == "adapted_before" else shipped
+        budget.fitting_threads = recorded
         try:
             tiled.tiled_attention(q, k, v, is_causal=True)
         finally:
-            tiled.ADAPT_THREADS = True
-            tiled._others_running, tiled.fitting_threads = shipped, choose
+            budget.ADAPT_THREADS = True
+            budget._others_running, budget.fitting_threads = shipped, choose
         threads = chosen[0] if chosen else torch.get_num_threads()
         used[name][threads] += 1
         per_call[name].append(threads)

@@ -367,47 +367,47 @@ def two_threads():
 
 
 def test_fitting_threads_leaves_the_cores_other_processes_keep_busy(monkeypatch, two_threads):
-    from attention_ref import tiled
+    from attention_ref import threads
 
-    monkeypatch.setattr(tiled.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(tiled, "_others_running", lambda: 1)
-    assert tiled.fitting_threads() == 1
-    monkeypatch.setattr(tiled, "_others_running", lambda: 5)
-    assert tiled.fitting_threads() == 1  # never fewer than one
-    monkeypatch.setattr(tiled, "_others_running", lambda: 0)
-    assert tiled.fitting_threads() is None  # nothing busy: threads as they are
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads, "_others_running", lambda: 1)
+    assert threads.fitting_threads() == 1
+    monkeypatch.setattr(threads, "_others_running", lambda: 5)
+    assert threads.fitting_threads() == 1  # never fewer than one
+    monkeypatch.setattr(threads, "_others_running", lambda: 0)
+    assert threads.fitting_threads() is None  # nothing busy: threads as they are
     monkeypatch.undo()
-    monkeypatch.setattr(tiled.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
     readings = iter([3, 2, 3])  # the machine's runnable tasks; this process runs 2 of them
-    monkeypatch.setattr(tiled, "_runnable", lambda: next(readings))
-    monkeypatch.setattr(tiled, "_own_running", lambda: 2)
-    assert tiled.fitting_threads() is None  # a task that passed by in one reading of three does not count
+    monkeypatch.setattr(threads, "_runnable", lambda: next(readings))
+    monkeypatch.setattr(threads, "_own_running", lambda: 2)
+    assert threads.fitting_threads() is None  # a task that passed by in one reading of three does not count
     readings = iter([3, 3, 3])
-    assert tiled.fitting_threads() == 1
-    monkeypatch.setattr(tiled, "_others_running", lambda: 1)
-    monkeypatch.setattr(tiled, "ADAPT_THREADS", False)
-    assert tiled.fitting_threads() is None
+    assert threads.fitting_threads() == 1
+    monkeypatch.setattr(threads, "_others_running", lambda: 1)
+    monkeypatch.setattr(threads, "ADAPT_THREADS", False)
+    assert threads.fitting_threads() is None
 
     def unreadable():
         raise OSError("no /proc here")
 
-    monkeypatch.setattr(tiled, "ADAPT_THREADS", True)
-    monkeypatch.setattr(tiled, "_others_running", unreadable)
-    assert tiled.fitting_threads() is None
+    monkeypatch.setattr(threads, "ADAPT_THREADS", True)
+    monkeypatch.setattr(threads, "_others_running", unreadable)
+    assert threads.fitting_threads() is None
 
 
 def test_a_large_call_runs_forward_and_backward_on_the_fitting_threads(monkeypatch, two_threads):
-    from attention_ref import tiled
+    from attention_ref import threads
 
-    monkeypatch.setattr(tiled.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(tiled, "_others_running", lambda: 1)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads, "_others_running", lambda: 1)
     seen = []
 
     def spy(score, b, h, q_idx, kv_idx):  # runs inside the forward and the backward passes
         seen.append(torch.get_num_threads())
         return score
 
-    n = 2048  # 2048 x 2048 pairs = _ADAPT_MIN_PAIRS
+    n = 2048  # 2048 x 2048 pairs = threads.ADAPT_MIN_PAIRS
     q, k, v = (torch.randn(1, 1, n, 8).requires_grad_() for _ in range(3))
     out = tiled_attention(q, k, v, score_mod=spy, block_q=1024, block_k=1024)
     forward = len(seen)
@@ -419,10 +419,24 @@ def test_a_large_call_runs_forward_and_backward_on_the_fitting_threads(monkeypat
     small = [t[..., : n // 2, :] for t in (q, k, v)]
     tiled_attention(*small, score_mod=spy, block_q=1024, block_k=1024)
     assert set(seen) == {2}  # a small call keeps its threads: the check would cost more than it saves
-    monkeypatch.setattr(tiled, "_others_running", lambda: 0)
+    monkeypatch.setattr(threads, "_others_running", lambda: 0)
     seen.clear()
     tiled_attention(q, k, v, score_mod=spy, block_q=1024, block_k=1024)
     assert set(seen) == {2}
+
+
+def test_the_flag_set_where_it_lived_before_still_turns_the_choice_off(monkeypatch, two_threads):
+    """`tiled.ADAPT_THREADS` (its home before attention_ref.threads) reads and sets the one flag: a copy
+    would let `tiled.ADAPT_THREADS = False` change nothing, without a word."""
+    from attention_ref import threads, tiled
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads, "_others_running", lambda: 1)
+    assert tiled.fitting_threads is threads.fitting_threads and tiled.fitting_threads() == 1
+    monkeypatch.setattr(tiled, "ADAPT_THREADS", False)
+    assert threads.ADAPT_THREADS is False and tiled.fitting_threads() is None
+    monkeypatch.undo()
+    assert tiled.ADAPT_THREADS is True and threads.ADAPT_THREADS is True
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/loadavg"), reason="reads Linux's /proc")
@@ -431,12 +445,12 @@ def test_others_running_counts_a_busy_process():
     import sys
     import time
 
-    from attention_ref import tiled
+    from attention_ref import threads
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        assert max(tiled._others_running() for _ in range(5)) >= 1
+        assert max(threads._others_running() for _ in range(5)) >= 1
     finally:
         busy.kill()
         busy.wait()
@@ -446,18 +460,18 @@ def test_other_processes_load_is_read_in_pairs_a_few_milliseconds_apart(monkeypa
     """Each reading of the machine's runnable tasks is paired with one of this process's own (its OpenMP
     workers may be spinning down meanwhile), and a core counts as busy only if every reading, taken
     `_READING_GAP_S` apart, says so (issue 30: a quiet call ran at 0.47x)."""
-    from attention_ref import tiled
+    from attention_ref import threads
 
     slept = []
-    monkeypatch.setattr(tiled.time, "sleep", slept.append)
+    monkeypatch.setattr(threads.time, "sleep", slept.append)
     machine, own = iter([3, 3, 3]), iter([3, 3, 1])  # our 3 threads runnable, then 2 of them stop
-    monkeypatch.setattr(tiled, "_runnable", lambda: next(machine))
-    monkeypatch.setattr(tiled, "_own_running", lambda: next(own))
-    assert tiled._others_running() == 0 and slept == []  # nothing else runs: one reading, no wait
+    monkeypatch.setattr(threads, "_runnable", lambda: next(machine))
+    monkeypatch.setattr(threads, "_own_running", lambda: next(own))
+    assert threads._others_running() == 0 and slept == []  # nothing else runs: one reading, no wait
     machine, own = iter([4, 4, 2]), iter([1, 1, 1])  # another process, then it ends
-    assert tiled._others_running() == 1 and slept == [tiled._READING_GAP_S] * 2
+    assert threads._others_running() == 1 and slept == [threads._READING_GAP_S] * 2
     machine, own = iter([3, 3, 3]), iter([1, 1, 1])
-    assert tiled._others_running() == 2  # busy in every reading: it counts
+    assert threads._others_running() == 2  # busy in every reading: it counts
 
 
 # transformers pads with finfo(dtype).min, not -inf: a row masked with it everywhere is the mean of
