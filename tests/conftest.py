@@ -106,7 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers", "sweep: a heavy sweep of another library (every model type of the installed transformers; "
-        "torch's and transformers' FlexAttention through the quick conformance matrix); with "
+        "torch's and transformers' FlexAttention through the quick conformance matrix, and compiled); with "
         "`dev.py check --newest` it runs in the newest tier only (dev.py's SWEEP_MARKER)"
     )
     name = config.getoption("--device") or os.environ.get("ATTENTION_REF_TEST_DEVICE") or "cpu"
