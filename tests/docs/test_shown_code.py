@@ -20,7 +20,9 @@ shown code prints something else than the build is then run as written here (onc
 build's run counts as the first) and judged as above: so a page's code runs twice per check
 (the build, the shown code), not three times. A block that prints a measured value runs twice more, with
 the blocks of its own session before it (page 11 times its KV cache in a session of its own, so
-that this is one block), and the page as written up to it only when that cannot tell.
+that this is one block), and the page as written up to it only when that cannot tell. The tutorial
+pages are judged from their notebooks' run in tests/site/test_fresh_notebooks.py then
+(`JUDGED_IN_NOTEBOOKS`): the notebooks run anyway, and a notebook is its page's shown code.
 """
 
 from __future__ import annotations
@@ -55,8 +57,19 @@ def _fences():
 fences = _fences()
 BUILD_RECORD = os.environ.get("ATTENTION_REF_BUILD_RECORD")
 DEFAULT_NUMPY_PRINT = np.get_printoptions()
-PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
-               if fences.find_blocks(p))
+#: The seeds of the two runs: the page as written (where the build's record does not stand in for it)
+#: and the shown code; tests/site/test_fresh_notebooks.py seeds the notebooks as the shown code.
+FULL_SEED, SHOWN_SEED = 1, 2
+ALL_PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
+                   if fences.find_blocks(p))
+#: Where tests/site/test_fresh_notebooks.py runs every tutorial notebook in a fresh environment, from a
+#: built site (``dev.py check``, CI), it judges those pages' shown code from that run (a notebook's code
+#: cells are its page's shown code, each cell's stored output what the build printed), so that their
+#: code runs twice per check (the build, the notebook), not three times; they are left out here then.
+JUDGED_IN_NOTEBOOKS = bool((os.environ.get("ATTENTION_REF_SLOW_TESTS") or os.environ.get("ATTENTION_REF_FRESH_NOTEBOOKS"))
+                           and os.environ.get("ATTENTION_REF_BUILT_SITE"))
+NOTEBOOK_PAGES = [p for p in ALL_PAGES if p.startswith("docs/tutorial/")]  # docs/hooks/notebooks.py's SECTIONS
+PAGES = [p for p in ALL_PAGES if not (JUDGED_IN_NOTEBOOKS and p in NOTEBOOK_PAGES)]
 
 
 def run_page(blocks, *, shown: bool, seed: int = 0) -> list[str]:
@@ -134,6 +147,13 @@ def varying_alone(blocks, which: list[int], run_blocks) -> list[int]:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    judge_page(page, monkeypatch, tmp_path)
+
+
+def judge_page(page: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, shown: list[str] | None = None) -> None:
+    """Fail when ``page``'s shown code prints something else than the page (see the module's docstring);
+    skip when the only differences are blocks that print measured values. ``shown``: what each block's
+    shown code printed in a run already made (a notebook's, seeded with `SHOWN_SEED`), else it runs here."""
     blocks = fences.find_blocks(ROOT / page)
 
     def run(shown: bool, seed: int, upto: int | None = None) -> list[str]:
@@ -142,9 +162,11 @@ def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.M
         monkeypatch.chdir(tmp_path if shown else ROOT)
         return run_page(blocks[:upto], shown=shown, seed=seed)
 
-    shown = run(True, seed=2)  # a page seeds what it draws
+    if shown is None:
+        shown = run(True, seed=SHOWN_SEED)  # a page seeds what it draws
+    assert len(shown) == len(blocks), f"{page}: {len(shown)} outputs given for {len(blocks)} blocks"
     built = built_outputs(page, blocks)
-    full = built if built is not None else run(False, seed=1)
+    full = built if built is not None else run(False, seed=FULL_SEED)
     differ = [i for i, (a, b) in enumerate(zip(full, shown)) if not same_output(a, b)]
     if not differ:
         return  # the shown code printed what the site shows
@@ -155,7 +177,7 @@ def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.M
     # whose output depends on the blocks of other sessions prints the same twice there, and goes on.)
     def as_written(subset):
         monkeypatch.chdir(ROOT)
-        return run_page(subset, shown=False, seed=1)
+        return run_page(subset, shown=False, seed=FULL_SEED)
 
     varying = varying_alone(blocks, differ, as_written)
     rest = [i for i in differ if i not in varying]
@@ -163,10 +185,10 @@ def test_shown_code_prints_what_the_page_prints(page: str, monkeypatch: pytest.M
         # Then the page as written up to the last block left (what follows cannot change it), once
         # here (with the build's record, the build's run was the first), and the shown code again.
         last = max(rest) + 1
-        again = run(False, seed=1, upto=last)
+        again = run(False, seed=FULL_SEED, upto=last)
         varying += [i for i in rest if again[i] != full[i]]
         if any(i not in varying for i in rest):
-            shown_again = run(True, seed=2, upto=last)
+            shown_again = run(True, seed=SHOWN_SEED, upto=last)
             varying += [i for i in rest if i not in varying and shown_again[i] != shown[i]]
     wrong = [i for i in differ if i not in varying]
     report = [f"{page}:{blocks[i].line}: printed\n{describe(full[i])}\n"
