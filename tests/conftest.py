@@ -164,6 +164,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 #: test file is upstream until it is named here. tests/test_structure.py holds these names to files.
 OWN_TESTS: dict[str, str] = {
     "tests/test_block_diagram.py": "the block diagram's SVG is drawn from the package's own module tree",
+    "tests/test_cpu_busy.py": "benchmarks/cpu_busy.py's samples of /proc/stat: standard library only",
     "tests/test_complexity.py": "cost formulas against FLOP counts of the package's own reference path",
     "tests/test_dev.py": "dev.py's command line, environments and summary: standard library only",
     "tests/test_device_switch.py": "the test suite's own --device switch",
