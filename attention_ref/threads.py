@@ -5,8 +5,9 @@ thread: a thread that shares its core with another process stalls every one of t
 (benchmarks/block_mask_bench.py measured the tiled path 2.0x faster on one thread than on two with
 one of two cores busy). `fitting_threads` reads Linux's ``/proc`` to tell how many cores other
 processes keep busy; `threads_for` runs a block of code on that many threads. Where ``/proc``
-cannot tell (not Linux), the threads stay as they are. Only the thread count changes, never what
-is computed.
+cannot tell (not Linux), the threads stay as they are. The algorithm stays the same: only torch's
+thread count changes, which, like any thread setting, may change the order of a sum (one causal
+call of 2048 keys gave the same bits on one thread and on two).
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ import time
 
 import torch
 
-__all__ = ["ADAPT_THREADS", "fitting_threads", "threads_for"]
+__all__ = ["ADAPT_MIN_PAIRS", "ADAPT_THREADS", "fitting_threads", "threads_for"]
 
-#: Whether a tiled call on CPU runs on fewer intra-op threads while other processes keep cores
-#: busy. Set it to ``False`` to keep ``torch.get_num_threads()`` whatever the load
-#: (``attention_ref.tiled.ADAPT_THREADS`` reads and sets this same flag).
 ADAPT_THREADS = True
-#: Calls with fewer (query, key) pairs than this keep their threads (the check costs ~0.1 ms, 8 ms more
-#: when a core looks busy).
+"""Whether a tiled call on CPU runs on fewer intra-op threads while other processes keep cores busy.
+Set it to ``False`` to keep ``torch.get_num_threads()`` whatever the load
+(``attention_ref.tiled.ADAPT_THREADS`` reads and sets this same flag)."""
 ADAPT_MIN_PAIRS = 2**22
+"""Calls with fewer (query, key) pairs than this keep their threads (the reading costs about 0.1 ms,
+8 ms more when a core looks busy)."""
 #: Seconds between the readings of `_others_running`: a task that runs for less than twice this
 #: (a short-lived process, this process's OpenMP workers spinning down) is not load. At 1 ms, a
 #: quiet process still chose one thread in 1 of 40 calls now and then (benchmarks/threads_bench.py).
