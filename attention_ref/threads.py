@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from attention_ref._validation import check_device, check_positive_int
+
 __all__ = ["ADAPT_MIN_PAIRS", "ADAPT_THREADS", "fitting_threads", "threads_for"]
 
 ADAPT_THREADS = True
@@ -90,12 +92,14 @@ def fitting_threads() -> int | None:
 
 
 @contextlib.contextmanager
-def threads_for(pairs: int, device: torch.device):
+def threads_for(pairs: int, device: torch.device | str):
     """Run the body on `fitting_threads` intra-op threads (restored after) when the call is large enough.
 
     ``pairs`` is the call's (query, key) pairs: below `ADAPT_MIN_PAIRS`, or off the CPU, the
-    threads stay as they are.
+    threads stay as they are. ``device``: a ``torch.device`` or its name (``"cpu"``).
     """
+    pairs = check_positive_int("pairs", pairs, allow_zero=True)
+    device = check_device("device", device)
     threads = fitting_threads() if device.type == "cpu" and pairs >= ADAPT_MIN_PAIRS else None
     if threads is None:
         yield

@@ -14,6 +14,7 @@ Tests that take the ``device`` fixture run on ``--device cuda`` too (tests/conft
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -423,6 +424,21 @@ def test_a_large_call_runs_forward_and_backward_on_the_fitting_threads(monkeypat
     seen.clear()
     tiled_attention(q, k, v, score_mod=spy, block_q=1024, block_k=1024)
     assert set(seen) == {2}
+
+
+def test_threads_for_names_an_argument_it_cannot_read():
+    from attention_ref import threads
+
+    for pairs, device, error, message in [
+            ("many", "cpu", TypeError, "pairs must be an int, got str"),
+            (-1, "cpu", ValueError, "pairs must be a non-negative int, got -1"),
+            (10, "cpux", ValueError, "device must be a device such as 'cpu', 'cuda' or 'cuda:0', got 'cpux'"),
+            (10, 1.5, TypeError, "device must be a torch.device or a device string")]:
+        with pytest.raises(error, match=re.escape(message)):
+            with threads.threads_for(pairs, device):
+                pass
+    with threads.threads_for(10, "cpu"):  # a name works as the device it names
+        pass
 
 
 def test_the_flag_set_where_it_lived_before_still_turns_the_choice_off(monkeypatch, two_threads):

@@ -419,11 +419,10 @@ def views(data):
                 yield m, s, token
 
 
-#: For each (model, sentence, token) of `views`: the menus set and the token clicked as a reader's
-#: click would (the handlers run synchronously), then for each direction the cells of the steps table
-#: whose text overflows (scrollWidth past clientWidth by more than 1 px), and whether the page is
-#: wider than the window. In one call: a Playwright round trip per click cost 30 s for 66 views.
-EVERY_VIEW_CUT = """(el, views) => {
+#: The JavaScript both calls below share, inside a function of the explorer ``el``: ``menu(kind)``, its
+#: select; ``show(m, s, token)`` sets the model and sentence menus (a change event only where the value
+#: changes, as a reader's choice) and clicks the token.
+SHOW_VIEW = """
   const menu = kind => el.querySelector(`select.attention-explorer-${kind}`);
   const choose = (kind, value) => {
     const select = menu(kind);
@@ -432,12 +431,22 @@ EVERY_VIEW_CUT = """(el, views) => {
       select.dispatchEvent(new Event('change', {bubbles: true}));
     }
   };
-  const cut = [], sideways = [];
-  let seen = 0;
-  for (const [m, s, token] of views) {
+  const show = (m, s, token) => {
     choose('model', m);
     choose('sentence', s);
     el.querySelectorAll('button.attention-explorer-token')[token].click();
+  };"""
+
+
+#: For each (model, sentence, token) of `views`: the menus set and the token clicked as a reader's
+#: click would (the handlers run synchronously), then for each direction the cells of the steps table
+#: whose text overflows (scrollWidth past clientWidth by more than 1 px), and whether the page is
+#: wider than the window. In one call: a Playwright round trip per click cost 30 s for 66 views.
+EVERY_VIEW_CUT = """(el, views) => {""" + SHOW_VIEW + """
+  const cut = [], sideways = [];
+  let seen = 0;
+  for (const [m, s, token] of views) {
+    show(m, s, token);
     for (const direction of ['to', 'by']) {
       el.querySelector(`.attention-explorer-direction-button[data-direction='${direction}']`).click();
       const cells = [...el.querySelectorAll('table.attention-explorer-table tr > *')];
@@ -604,22 +613,12 @@ def test_a_click_on_a_wide_screen_does_not_scroll(page, site_url):
 #: `EVERY_VIEW_CUT`, then for each direction the menus' layer and head, the table's columns (as
 #: `table` reads them) and its sum lines (`TOTAL_ROWS`). In one call: with a Playwright round trip per
 #: click and per column the test took 14.8 s beside another test worker on 2 cores, in one call 1.9 s alone.
-EVERY_VIEW_TABLE = """(el, views) => {
-  const menu = kind => el.querySelector(`select.attention-explorer-${kind}`);
-  const choose = (kind, value) => {
-    const select = menu(kind);
-    if (Number(select.value) !== value) {
-      select.value = String(value);
-      select.dispatchEvent(new Event('change', {bubbles: true}));
-    }
-  };
+EVERY_VIEW_TABLE = """(el, views) => {""" + SHOW_VIEW + """
   const column = c => [...el.querySelectorAll(`tr.attention-explorer-row .attention-explorer-${c}`)]
     .map(cell => cell.textContent);
   const seen = [];
   for (const [m, s, token] of views) {
-    choose('model', m);
-    choose('sentence', s);
-    el.querySelectorAll('button.attention-explorer-token')[token].click();
+    show(m, s, token);
     for (const direction of ['to', 'by']) {
       el.querySelector(`.attention-explorer-direction-button[data-direction='${direction}']`).click();
       const shown = {};
