@@ -106,8 +106,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers", "sweep: a heavy sweep of another library (every model type of the installed transformers; "
-        "torch's and transformers' FlexAttention through the quick conformance matrix, and compiled); with "
+        "torch's and transformers' FlexAttention through the quick conformance matrix, and compiled; the checker's "
+        "seed sweeps over right and wrong kernels in tests/test_testing.py); with "
         "`dev.py check --newest` it runs in the newest tier only (dev.py's SWEEP_MARKER)"
+    )
+    config.addinivalue_line(
+        "markers", "triton_kernel: runs this package's Triton kernel (under Triton's interpreter on a CPU); with "
+        "`dev.py check --newest` the newest tier runs it only when its Triton is another release than the "
+        "pinned tier's (dev.py's TRITON_MARKER)"
     )
     name = config.getoption("--device") or os.environ.get("ATTENTION_REF_TEST_DEVICE") or "cpu"
     if name not in DEVICES:

@@ -499,6 +499,7 @@ needs_triton = pytest.mark.skipif(
 
 
 @needs_triton
+@pytest.mark.triton_kernel
 @pytest.mark.parametrize("name", list(ROUTING_CASES))
 def test_routing_to_triton_matches_reference(routing_results, name):
     result = routing_results[name]

@@ -125,8 +125,13 @@ def test_a_blhd_problem_is_the_transpose_and_paged_pools_hold_the_dense_keys():
 FLEX_SWEEPS = {"torch-flex", "hf-flex"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.sweep) if name in FLEX_SWEEPS else name
-                                  for name in sorted(EXPECTED)])
+#: The adapter that runs the Triton kernel (under Triton's interpreter on a CPU): marked ``triton_kernel``.
+TRITON_ADAPTERS = {"attention_ref-triton"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.sweep) if name in FLEX_SWEEPS
+                                  else pytest.param(name, marks=pytest.mark.triton_kernel) if name in TRITON_ADAPTERS
+                                  else name for name in sorted(EXPECTED)])
 def test_shipped_adapter_agrees_with_the_reference_except_its_known_bugs(name):
     if name.startswith("hf-"):
         pytest.importorskip("transformers")

@@ -202,6 +202,31 @@ def test_the_sweeps_run_once_in_the_newest_tier_when_there_is_one(dev, monkeypat
     assert "pytestmark = pytest.mark.sweep" in sweeps and "test_hf_sweep.py" not in str(dev.QUICK_IGNORES)
 
 
+def test_the_newest_tier_leaves_the_triton_kernel_to_the_pinned_tier_when_both_have_one_triton(dev, monkeypatch):
+    pinned = "torch 2.13.0+cpu, transformers 5.23.0, triton 3.9.0, numpy 2.4.6"
+    assert dev.version_set(pinned)["triton"] == "3.9.0"
+    same = "torch 2.15.0, transformers 5.25.0, triton 3.9.0, numpy 2.4.6"
+    markers, left_out = dev.newest_markers(pinned, same)
+    assert markers == "upstream and not triton_kernel" and "not run again" in left_out and "3.9.0" in left_out
+    for other in ("torch 2.15.0, triton 3.10.0", "torch 2.15.0, triton absent"):  # another release, or none
+        assert dev.newest_markers(pinned, other) == ("upstream", "")
+    assert dev.newest_markers("torch 2.13.0+cpu, triton absent", "torch 2.15.0, triton absent") == ("upstream", "")
+    monkeypatch.setattr(dev, "setup_newest", lambda: 1.0)
+    monkeypatch.setattr(dev, "installed_versions", lambda python: pinned if python == dev.PYTHON else same)
+    runs = []
+    monkeypatch.setattr(dev, "run_pytest", lambda args, extra, env, which, junit, python=dev.PYTHON: (
+        runs.append(which), (0, "1 passed"))[1])
+    rows = dev.check_newest(args(newest=True), [])
+    assert runs == [[*dev.QUICK_IGNORES, "-m", "upstream and not triton_kernel"]] and "not run again" in rows[1][3]
+    # the tests that run the kernel carry the marker (registered in tests/conftest.py)
+    for path, where in [("tests/test_triton_flash.py", "marks = [needs_triton, pytest.mark.triton_kernel]"),
+                        ("tests/test_backends.py", "@pytest.mark.triton_kernel\n@pytest.mark.parametrize(\"name\", "
+                                                   "list(ROUTING_CASES))"),
+                        ("tests/test_conformance.py", 'TRITON_ADAPTERS = {"attention_ref-triton"}'),
+                        ("tests/conftest.py", '"markers", "triton_kernel: ')]:
+        assert where in (ROOT / path).read_text(encoding="utf-8"), path
+
+
 def test_a_failed_newest_set_up_fails_the_check_and_runs_no_tests(dev, monkeypatch):
     def fail():
         raise dev.subprocess.CalledProcessError(1, ["pip", "install"])

@@ -1009,6 +1009,7 @@ def _sink_kernels():
     return right, wrong
 
 
+@pytest.mark.sweep  # 200 seeds, about 8 s a tier: with dev.py check --newest, once, with the newest torch
 def test_dsinks_never_fails_a_right_float16_kernel_and_still_catches_wrong_ones():
     right, wrong = _sink_kernels()
     failed = {name: [] for name in (*right, *wrong)}
@@ -1067,6 +1068,7 @@ def _orders():
     return kernels | {"keys reversed": reversed_keys, "odd blocks": odd_blocks, "split keys": split_keys}
 
 
+@pytest.mark.sweep  # 40 seeds x 7 kernels, about 5 s a dtype and tier: with dev.py check --newest, once, newest torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_right_kernel_passes_whatever_its_thread_count_and_summation_order(dtype):
     seeds = 400 if os.environ.get("ATTENTION_REF_SLOW_TESTS") else 40

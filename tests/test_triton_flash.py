@@ -221,7 +221,7 @@ CASES += GQA_CASES
 
 
 def _marks(case: Case) -> list[pytest.MarkDecorator]:
-    marks = [needs_triton]
+    marks = [needs_triton, pytest.mark.triton_kernel]
     if case.dtype == "bfloat16":
         marks.append(pytest.mark.skipif(not CUDA, reason=BF16_REASON))
     elif case.gpu_only:
@@ -755,6 +755,7 @@ def _bound_cases(seed: int, count: int):
         yield L, S, window, offset, rng.random() < 0.5
 
 
+@pytest.mark.triton_kernel
 @pytest.mark.parametrize(("block_m", "block_n", "block_n1", "block_m1"), [(16, 16, 16, 16), (32, 16, 32, 16), (128, 64, 64, 32)])
 def test_loop_bounds_visit_exactly_the_blocks_a_window_reaches(block_m, block_n, block_n1, block_m1) -> None:
     # The kernels' own bound lines, for each query tile (forward, dQ) and key block (dK/dV):
