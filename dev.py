@@ -129,7 +129,7 @@ def setup_python() -> None:
 
 #: uv in ``.venv``: it installs the pinned environment (`pinned_install`). Measured on 2 cores (2026-12-07), a
 #: fresh ``.venv`` with what it held: pip took 43 s (34.5 s of a core, 19 s of it resolving against the
-#: registries) and uv 11 s, pip's own install of uv and the new environment included, with the same
+#: registries) and uv 11.5 s (11 s of a core), pip's own install of uv and the new environment included, with the same
 #: versions of every package (``pip freeze`` compared). pip stays the fallback, and the reader's installer:
 #: the site's install line is pip's (tests/site/test_fresh_notebooks.py runs it word for word).
 UV_PINNED = BIN / ("uv.exe" if os.name == "nt" else "uv")
