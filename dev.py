@@ -623,11 +623,21 @@ def print_summary(title: str, results: list[tuple[str, bool | None, float, str]]
     return all_ok
 
 
+#: The niceness of the tests that run beside the strict build (``nice -n``, where the system has it): the
+#: build is on the way to the site tests, which wait for it, so it goes first; the tests beside it take
+#: what CPU it leaves. The check is CPU-bound (both cores busy from the set-up's end), so this moves when
+#: the build ends, not how much work there is.
+BESIDE_THE_BUILD_NICE = 10
+
+
 def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], which: list[str],
-               junit: Path, python: Path = PYTHON, log: IO[str] | None = None) -> tuple[int, str]:
+               junit: Path, python: Path = PYTHON, log: IO[str] | None = None, nice: int = 0) -> tuple[int, str]:
     """Run pytest on ``which`` (arguments naming the tests) and the caller's ``extra`` with ``python``
-    (``.venv``'s unless told): its exit status and counts. Its output goes to ``log`` when given."""
+    (``.venv``'s unless told): its exit status and counts. Its output goes to ``log`` when given; ``nice``:
+    its processes' niceness, when the system has ``nice``."""
     cmd = [str(python), "-m", "pytest", f"--junitxml={junit}", *parallel(args, extra), *which, *extra]
+    if nice and shutil.which("nice"):
+        cmd = ["nice", "-n", str(nice), *cmd]
     if log is None:
         say("$ " + " ".join(cmd))
     else:
@@ -739,10 +749,12 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
             watcher.start()
             if overlap:
                 tests_start = time.perf_counter()
-                say("pytest, beside the build: unit tests, doctests (the pages' blocks run in the build)")
+                say("pytest, beside the build: unit tests, doctests (the pages' blocks run in the build); at "
+                    f"niceness {BESIDE_THE_BUILD_NICE}, so that the build, which the site tests wait for, goes first")
                 junit = Path(tmp) / "junit.xml"
                 returncode, detail = run_pytest(args, extra, env, [*RUN_BY_THE_BUILD, *pinned_deselected(args),
-                                                                   *(f"--ignore={p}" for p in AFTER_THE_BUILD)], junit)
+                                                                   *(f"--ignore={p}" for p in AFTER_THE_BUILD)], junit,
+                                                nice=BESIDE_THE_BUILD_NICE)
                 TIMINGS["pytest"] = file_seconds(junit)
                 results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start,
                                   detail + pinned_detail(args))]

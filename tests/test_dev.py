@@ -227,6 +227,22 @@ def test_the_newest_tier_leaves_the_triton_kernel_to_the_pinned_tier_when_both_h
         assert where in (ROOT / path).read_text(encoding="utf-8"), path
 
 
+def test_the_tests_beside_the_build_run_at_a_lower_priority(dev, monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(dev.subprocess, "run", lambda cmd, **kwargs: (ran.append(cmd), argparse.Namespace(returncode=0))[1])
+    monkeypatch.setattr(dev.shutil, "which", lambda name: "/usr/bin/nice" if name == "nice" else None)
+    dev.run_pytest(args(), [], {}, ["tests/test_dev.py"], tmp_path / "junit.xml", nice=dev.BESIDE_THE_BUILD_NICE)
+    dev.run_pytest(args(), [], {}, ["tests/test_dev.py"], tmp_path / "junit.xml")
+    assert ran[0][:3] == ["nice", "-n", "10"] and ran[0][3:] == ran[1] and ran[1][1:3] == ["-m", "pytest"]
+    monkeypatch.setattr(dev.shutil, "which", lambda name: None)  # no nice on this system: run as before
+    dev.run_pytest(args(), [], {}, ["tests/test_dev.py"], tmp_path / "junit.xml", nice=10)
+    assert ran[2] == ran[1]
+    # the full check's pytest run beside the build is the one given it
+    check = (ROOT / "dev.py").read_text(encoding="utf-8")
+    beside = check[check.index('say("pytest, beside the build'):check.index("TIMINGS[\"pytest\"] = file_seconds(junit)")]
+    assert "nice=BESIDE_THE_BUILD_NICE" in beside
+
+
 def test_a_failed_newest_set_up_fails_the_check_and_runs_no_tests(dev, monkeypatch):
     def fail():
         raise dev.subprocess.CalledProcessError(1, ["pip", "install"])
