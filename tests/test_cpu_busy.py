@@ -17,14 +17,17 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads 
 
 def test_a_spinning_command_keeps_a_core_busy_and_its_status_comes_back(tmp_path: Path):
     out = tmp_path / "busy.json"
-    spin = "import sys, time\nend = time.time() + 1.5\nwhile time.time() < end: pass\nsys.exit(3)"
+    spin = "import sys, time\nend = time.time() + 3\nwhile time.time() < end: pass\nsys.exit(3)"
     assert cpu_busy.main(["--out", str(out), "--every", "0.25", "--window", "0.5", "--", sys.executable, "-c",
                           spin]) == 3
     record = json.loads(out.read_text())
     assert record["exit_status"] == 3 and record["cores"] == os.cpu_count()
     assert len(record["samples"]) >= 4 and record["windows"][0]["from_s"] == 0.0
-    # the whole machine: at least the one core the command keeps busy, at most every core
-    busy = [b for _, b in record["samples"][1:-1]]
+    # the whole machine: at least the one core the command keeps busy, at most every core; from 1 s on, when
+    # the command spins (its Python starts later than its process: in a full check, beside the build, the
+    # tests run at niceness 10, and a sample at 0.5 s once read 0.69)
+    busy = [b for t, b in record["samples"][:-1] if t >= 1.0]
+    assert len(busy) >= 4, record["samples"]
     assert min(busy) >= 0.8 and max(busy) <= record["cores"] + 0.01, record["samples"]
 
 
