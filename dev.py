@@ -380,21 +380,28 @@ def run_until_stopped(cmd: list[str], grace: float = 10.0) -> int:
     gets ``grace`` seconds before SIGKILL. Nothing it started outlives it, holding the port. Returns 0
     when stopped by a signal, else the command's exit status."""
     group = os.name == "posix"
-    child = subprocess.Popen(cmd, cwd=ROOT, start_new_session=group)
+    started: list[subprocess.Popen] = []
     stopped: list[int] = []
 
     def stop(signum, frame) -> None:
         stopped.append(signum)
+        if not started:  # before the command started: passed on as soon as it has
+            return
         try:
             if group:
-                os.killpg(child.pid, signum)
+                os.killpg(started[0].pid, signum)
             else:
-                child.terminate()
+                started[0].terminate()
         except ProcessLookupError:
             pass
 
+    # the handlers first: a signal that comes while the command starts is passed on, not the default's death
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
+        child = subprocess.Popen(cmd, cwd=ROOT, start_new_session=group)
+        started.append(child)
+        if stopped:
+            stop(stopped.pop(), None)
         since: float | None = None  # when the first stop signal came
         while True:
             try:
