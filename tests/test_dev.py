@@ -362,3 +362,63 @@ def test_the_summary_lists_the_slowest_files_and_pages_and_writes_the_report(dev
     written = dev.json.loads(report.read_text())
     assert written["ok"] and written["phases"][0]["name"] == "set-up"
     assert written["timings"]["pages"] == {"tutorial/11-language-model.md": 50.0}
+
+
+def _venv_of(python: Path, tmp_path: Path) -> Path:
+    """A stand-in environment: ``bin/python`` (this interpreter) and an empty site-packages."""
+    (tmp_path / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "env" / "lib" / "python3" / "site-packages").mkdir(parents=True)
+    link = tmp_path / "env" / "bin" / "python"
+    link.symlink_to(python)
+    return link
+
+
+def test_the_bytecode_is_compiled_once_ahead_and_again_only_when_what_is_installed_changes(dev, monkeypatch, tmp_path):
+    import sys
+
+    package = tmp_path / "src" / "warmed"
+    (package / "inner").mkdir(parents=True)
+    for name in ("__init__.py", "a.py", "inner/__init__.py", "inner/b.py"):
+        (package / name).write_text("x = 1\n")
+    (tmp_path / "src" / "alone.py").write_text("y = 2\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    monkeypatch.setattr(dev, "WARM_IMPORTS", ("alone", "not_installed_anywhere", "warmed.*"))
+    python = _venv_of(Path(sys.executable), tmp_path)
+    dev.bytecode_warmed(dev.warm_bytecode(python))
+    compiled = sorted(p.relative_to(tmp_path / "src").as_posix() for p in (tmp_path / "src").rglob("*.pyc"))
+    assert [c.split(".")[0] for c in compiled] == ["__pycache__/alone", "warmed/__pycache__/__init__",
+                                                  "warmed/__pycache__/a", "warmed/inner/__pycache__/__init__",
+                                                  "warmed/inner/__pycache__/b"]
+    assert (tmp_path / "env" / ".attention-ref-bytecode").is_file()
+    assert dev.warm_bytecode(python) is None  # the same distributions installed: not again
+    (tmp_path / "env" / "lib" / "python3" / "site-packages" / "torch-9.0.dist-info").mkdir()
+    again = dev.warm_bytecode(python)  # another release installed: again
+    assert again is not None
+    dev.bytecode_warmed(again)
+
+
+def test_a_failed_warm_up_is_said_and_leaves_no_stamp(dev, monkeypatch, tmp_path, capsys):
+    import sys
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "broken.py").write_text("raise RuntimeError('not an ImportError')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
+    monkeypatch.setattr(dev, "WARM_IMPORTS", ("broken",))
+    python = _venv_of(Path(sys.executable), tmp_path)
+    dev.bytecode_warmed(dev.warm_bytecode(python))
+    assert "compiling the bytecode ahead failed (exit 1)" in capsys.readouterr().out
+    assert not (tmp_path / "env" / ".attention-ref-bytecode").exists()
+    again = dev.warm_bytecode(python)  # tried again next time
+    assert again is not None
+    dev.bytecode_warmed(again)
+
+
+def test_the_set_ups_compile_the_bytecode_before_the_processes_that_import_it_start(dev):
+    """The pinned set-up waits for it before returning (the build and the tests start after); the newest
+    set-up does it at the end of its work, which the newest tier waits for."""
+    text = (ROOT / "dev.py").read_text(encoding="utf-8")
+    set_up = text[text.index("def setup() -> float:"):text.index("def serve(")]
+    assert set_up.index("warm_bytecode(PYTHON)") < set_up.index("bytecode_warmed(warming)") < set_up.index("return")
+    newest = text[text.index("def setup_newest("):text.index("def newest_install(")]
+    assert "bytecode_warmed(warm_bytecode(PYTHON_NEWEST" in newest
