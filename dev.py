@@ -430,11 +430,13 @@ def setup_katex() -> None:
     NODE_STAMP.write_text(value + "\n")
 
 
-def setup() -> float:
+def setup(warm: bool = True) -> float:
+    """``.venv`` and KaTeX's assets; then, unless ``warm`` is False (the full check does it beside its first
+    tests), the bytecode of what every process imports (`warm_bytecode`). Returns its seconds."""
     start = time.perf_counter()
     say("set-up: virtual environment, Python packages, KaTeX assets")
     setup_python()
-    warming = warm_bytecode(PYTHON)  # beside KaTeX's set-up (npm: mostly waiting on the disk and the network)
+    warming = warm_bytecode(PYTHON) if warm else None  # beside KaTeX's set-up (npm: mostly waiting)
     setup_katex()
     bytecode_warmed(warming)
     elapsed = time.perf_counter() - start
@@ -801,7 +803,7 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
 
     newest = Background("newest set-up", newest_set_up) if args.newest else None
     try:
-        set_up = setup()
+        set_up = setup(warm=False)  # the bytecode below, beside the first tests
     finally:
         ours_done.set()
     results.append(("set-up", True, set_up, f"{VENV.name}, pinned: {installed_versions(PYTHON)}; KaTeX assets"))
@@ -826,21 +828,35 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
         # With no pytest arguments of the caller's and pytest-xdist on, the build runs beside the tests
         # that need no site (a build keeps about one core busy), and the site tests follow it.
         overlap = not extra and bool(parallel(args, extra))
+        # The bytecode of what the build's processes and the test workers all import, compiled by one process
+        # (`warm_bytecode`) before the build starts; the tests beside the build start now, at a lower priority.
+        warming = warm_bytecode(PYTHON) if overlap else None
+        if not overlap:
+            bytecode_warmed(warm_bytecode(PYTHON))
         say(f"strict build of the docs site for {env['ATTENTION_REF_SITE_URL']} into {site}"
-            + (" (beside the tests that need no site; its log follows when it ends)" if overlap else ""))
-        start = time.perf_counter()
+            + (" (beside the tests that need no site, once the bytecode is compiled; its log follows when it "
+               "ends)" if overlap else ""))
         build_log = Path(tmp) / "build.log"
         with build_log.open("w") as log:
-            building = subprocess.Popen(build_cmd, cwd=ROOT, stdout=log if overlap else None,
+            began: list[float] = []  # when the build started, and
+            ended: list[float] = []  # when it ended: the tests beside it may end later
+            site_tests: list[Background] = []
+
+            def start_build() -> subprocess.Popen:
+                bytecode_warmed(warming)
+                began.append(time.perf_counter())
+                return subprocess.Popen(build_cmd, cwd=ROOT, stdout=log if overlap else None,
                                         env=build_env(args, extra, dict(env, ATTENTION_REF_BUILD_RECORD=str(record))),
                                         stderr=subprocess.STDOUT if overlap else None)
-            ended: list[float] = []  # when the build ended: the tests beside it may end later
-            site_tests: list[Background] = []
+
+            building: list[subprocess.Popen] = [] if overlap else [start_build()]
 
             def when_built() -> None:
                 # the site tests start as soon as the build is done, beside the rest of the tests: the
                 # browser waits for pages and pip for the network, which leaves the cores idle at times
-                returncode = building.wait()
+                if not building:
+                    building.append(start_build())
+                returncode = building[0].wait()
                 ended.append(time.perf_counter())
                 if returncode == 0 and overlap:
                     say("strict build done: the built-site tests and the pages' shown code start beside the "
@@ -863,9 +879,11 @@ def check(args: argparse.Namespace, extra: list[str]) -> int:
                 TIMINGS["pytest"] = file_seconds(junit)
                 results_tests = [("pytest", returncode == 0, time.perf_counter() - tests_start,
                                   detail + pinned_detail(args))]
-            build_ok = building.wait() == 0
             watcher.join()
-        build_seconds = ended[0] - start
+            if not building:  # start_build raised in the watcher (its traceback is above)
+                raise SystemExit("dev.py check: the strict build did not start")
+            build_ok = building[0].wait() == 0
+        build_seconds = ended[0] - began[0]
         if overlap:
             print(build_log.read_text(), end="")
         pages = len(list(site.rglob("index.html"))) if build_ok else 0
