@@ -216,7 +216,10 @@ def write_bytecode_as_imported() -> None:
 #: (2026-12-08), five processes importing torch, transformers.modeling_utils, matplotlib.pyplot and the package
 #: in a fresh ``.venv``: 61 CPU-seconds side by side; 13 for one of them first, then 27 for the five. The
 #: strict build alone in a fresh ``.venv``: 82 s and 132.5 CPU-seconds; with the bytecode already there, 68.5
-#: s and 110. `warm_bytecode` imports these (and every module of the package) once, before those start.
+#: s and 110. `warm_bytecode` imports these (and every module of the package) once, before those start. In the
+#: full check (fresh clones on 2 cores, 2026-12-08) it runs beside the first tests and the build waits for it:
+#: mkdocs' build figure went from 91.5 s to 81.4 s, the whole check stayed 618 s (1216 and 1219 busy
+#: core-seconds): the build is shorter, the work the same.
 WARM_IMPORTS = ("torch", "numpy", "triton", "transformers", "transformers.modeling_utils", "matplotlib.pyplot",
                 "pytest", "xdist", "hypothesis", "attention_ref.*")
 #: Imports each module named in its arguments; ``name.*``: the package and every module in it. A module whose
@@ -250,24 +253,22 @@ class Warming(NamedTuple):
     value: str
 
 
-def warm_bytecode(python: Path, log: IO[str] | None = None, nice: int = 0) -> Warming | None:
+def warm_bytecode(python: Path) -> Warming | None:
     """Start compiling the bytecode of `WARM_IMPORTS` in ``python``'s environment by importing them once, in
     one process (wait for it with `bytecode_warmed` before the processes that import them start); ``None``
     when its stamp (``.attention-ref-bytecode`` in the environment) says that was done for what is installed
-    now (`bytecode_stamp_value`). ``nice``: the process's niceness, when the system has ``nice``."""
+    now (`bytecode_stamp_value`)."""
     stamp = python.parent.parent / ".attention-ref-bytecode"
     value = bytecode_stamp_value(python)
     if stamp_matches(stamp, value):
         return None
+    say(f"compiling the bytecode of {', '.join(WARM_IMPORTS)} in {python.parent.parent.name} once, before the "
+        "processes that import them start together (`name.*`: the package and every module in it)")
     cmd = [str(python), "-c", WARM_UP_CODE, *WARM_IMPORTS]
-    if nice and shutil.which("nice"):
-        cmd = ["nice", "-n", str(nice), *cmd]
-    note(f"compiling the bytecode of {', '.join(WARM_IMPORTS)} in {python.parent.parent.name} once, before the "
-         "processes that import them start together (`name.*`: the package and every module in it)", log)
     return Warming(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), stamp, value)
 
 
-def bytecode_warmed(warming: Warming | None, log: IO[str] | None = None) -> None:
+def bytecode_warmed(warming: Warming | None) -> None:
     """Wait for `warm_bytecode`'s process and stamp its environment when it succeeded. When it failed, the
     processes that import the modules compile them, as without it: said, and nothing else changes."""
     if warming is None:
@@ -275,8 +276,8 @@ def bytecode_warmed(warming: Warming | None, log: IO[str] | None = None) -> None
     if warming.process.wait() == 0:
         warming.stamp.write_text(warming.value + "\n")
     else:
-        note(f"compiling the bytecode ahead failed (exit {warming.process.returncode}): each process compiles "
-             "what it imports, as before", log)
+        say(f"compiling the bytecode ahead failed (exit {warming.process.returncode}): each process compiles "
+            "what it imports, as before")
 
 
 def setup_newest(log: IO[str] | None = None) -> float:
@@ -294,8 +295,9 @@ def setup_newest(log: IO[str] | None = None) -> float:
     run(newest_install("-e", f".[{NEWEST_EXTRAS}]", log=log), log=log)
     run(newest_install("--no-deps", NO_DEPS_PACKAGES[0], log=log), log=log)
     run(PRUNE_UV_CACHE, log=log)
-    # beside the build and the pinned tests (at their niceness): the newest tier's two workers start together
-    bytecode_warmed(warm_bytecode(PYTHON_NEWEST, log=log, nice=BESIDE_THE_BUILD_NICE), log=log)
+    # No `warm_bytecode` here: done in the background set-up, it left the newest tier's time as it was (110.4
+    # and 110.3 s of test time in two fresh-clone checks, 109.7 s without; 2026-12-08), while the pinned
+    # tier's first processes start with the build's, five or six at once.
     return time.perf_counter() - start
 
 

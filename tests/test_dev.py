@@ -416,13 +416,10 @@ def test_a_failed_warm_up_is_said_and_leaves_no_stamp(dev, monkeypatch, tmp_path
 
 def test_the_set_ups_compile_the_bytecode_before_the_processes_that_import_it_start(dev):
     """`dev.py setup` waits for it before returning; the full check starts it beside the tests at a lower
-    priority, and the build after it; the newest set-up does it at the end of its work, which the newest
-    tier waits for."""
+    priority, and the build after it."""
     text = (ROOT / "dev.py").read_text(encoding="utf-8")
     set_up = text[text.index("def setup(warm: bool = True) -> float:"):text.index("def serve(")]
     assert set_up.index("warm_bytecode(PYTHON)") < set_up.index("bytecode_warmed(warming)") < set_up.index("return")
     check = text[text.index("def check(args"):text.index("def main(")]
     start_build = check[check.index("def start_build()"):check.index("return subprocess.Popen(build_cmd")]
     assert "bytecode_warmed(warming)" in start_build and "set_up = setup(warm=False)" in check
-    newest = text[text.index("def setup_newest("):text.index("def newest_install(")]
-    assert "bytecode_warmed(warm_bytecode(PYTHON_NEWEST" in newest
