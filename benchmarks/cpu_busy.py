@@ -27,6 +27,18 @@ def _jiffies() -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields)  # idle + iowait count as idle
 
 
+def windows(samples: list[tuple[float, float]], window: float) -> list[dict]:
+    """The mean busy cores per window of ``window`` seconds, from ``(seconds, busy cores)`` samples. Each sample
+    is the mean over the interval since the one before it (since 0 for the first), so it counts in the window
+    that holds the interval's middle (counted by its end, a first sample that came late on a busy machine left
+    the first window out)."""
+    found: dict[int, list[float]] = {}
+    for (seconds, busy), (earlier, _) in zip(samples, [(0.0, 0.0), *samples]):
+        found.setdefault(int((earlier + seconds) / 2 // window), []).append(busy)
+    return [{"from_s": k * window, "to_s": (k + 1) * window, "busy_cores": round(sum(v) / len(v), 2)}
+            for k, v in sorted(found.items())]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON file to write")
@@ -50,11 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         idle, total = now[0] - before[0], now[1] - before[1]
         samples.append((round(time.monotonic() - start, 1), round(cores * (1 - idle / total), 2) if total else 0.0))
         before = now
-    windows = {}
-    for seconds, busy in samples:
-        windows.setdefault(int(seconds // args.window), []).append(busy)
-    summary = [{"from_s": k * args.window, "to_s": (k + 1) * args.window, "busy_cores": round(sum(v) / len(v), 2)}
-               for k, v in sorted(windows.items())]
+    summary = windows(samples, args.window)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"command": command, "cores": cores, "every_s": args.every, "exit_status": process.returncode,
                    "seconds": round(time.monotonic() - start, 1), "windows": summary, "samples": samples}, f, indent=1)
