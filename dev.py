@@ -218,8 +218,8 @@ def write_bytecode_as_imported() -> None:
 #: strict build alone in a fresh ``.venv``: 82 s and 132.5 CPU-seconds; with the bytecode already there, 68.5
 #: s and 110. `warm_bytecode` imports these (and every module of the package) once, before those start. In the
 #: full check (fresh clones on 2 cores, 2026-12-08) it runs beside the first tests and the build waits for it:
-#: mkdocs' build figure went from 91.5 s to 81.4 s, the whole check stayed 618 s (1216 and 1219 busy
-#: core-seconds): the build is shorter, the work the same.
+#: mkdocs' build figure went from 91.5 s to 81.4 s (then 71.9 and 78.2 s), the whole check stayed 618 s (then
+#: 600 and 604 s; 1216 busy core-seconds before, 1219, 1181 and 1189 after): the build is shorter, the work the same.
 WARM_IMPORTS = ("torch", "numpy", "triton", "transformers", "transformers.modeling_utils", "matplotlib.pyplot",
                 "pytest", "xdist", "hypothesis", "attention_ref.*")
 #: Imports each module named in its arguments; ``name.*``: the package and every module in it. A module whose
