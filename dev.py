@@ -240,11 +240,11 @@ for name in sys.argv[1:]:
 
 def bytecode_stamp_value(python: Path) -> str:
     """What the bytecode of ``python``'s environment depends on: the distributions installed (each
-    ``*.dist-info`` folder names one and its version), the interpreter and `WARM_IMPORTS`."""
+    ``*.dist-info`` folder names one and its version), the interpreter, `WARM_IMPORTS` and `WARM_UP_CODE`."""
     venv = python.parent.parent
     installed = sorted(p.name for pattern in ("lib/*/site-packages/*.dist-info", "Lib/site-packages/*.dist-info")
                        for p in venv.glob(pattern))
-    return digest(python.resolve().name, *installed, *WARM_IMPORTS)
+    return digest(python.resolve().name, *installed, *WARM_IMPORTS, WARM_UP_CODE)
 
 
 class Warming(NamedTuple):
@@ -747,11 +747,7 @@ def run_pytest(args: argparse.Namespace, extra: list[str], env: dict[str, str], 
     cmd = [str(python), "-m", "pytest", f"--junitxml={junit}", *parallel(args, extra), *which, *extra]
     if nice and shutil.which("nice"):
         cmd = ["nice", "-n", str(nice), *cmd]
-    if log is None:
-        say("$ " + " ".join(cmd))
-    else:
-        log.write("[dev] $ " + " ".join(cmd) + "\n")
-        log.flush()
+    note("$ " + " ".join(cmd), log)
     tests = subprocess.run(cmd, cwd=ROOT, env=test_env(args, extra, env),
                            **({} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}))
     n = pytest_counts(junit)

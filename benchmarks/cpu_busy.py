@@ -32,6 +32,8 @@ def windows(samples: list[tuple[float, float]], window: float) -> list[dict]:
     is the mean over the interval since the one before it (since 0 for the first), so it counts in the window
     that holds the interval's middle (counted by its end, a first sample that came late on a busy machine left
     the first window out)."""
+    if not window > 0:
+        raise ValueError(f"window must be > 0 seconds, got {window!r}")
     found: dict[int, list[float]] = {}
     for (seconds, busy), (earlier, _) in zip(samples, [(0.0, 0.0), *samples]):
         found.setdefault(int((earlier + seconds) / 2 // window), []).append(busy)

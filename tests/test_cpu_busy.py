@@ -40,6 +40,8 @@ def test_each_sample_counts_in_the_window_that_holds_the_middle_of_its_interval(
         (0.0, 1.0), (0.5, 0.0), (1.0, 1.8)]
     # samples of 2 s in windows of 30 s: the one at 30 s (28-30 s) is the first window's; 30-32 s the second's
     assert [w["busy_cores"] for w in cpu_busy.windows([(28.0, 1.0), (30.0, 1.0), (32.0, 0.0)], 30)] == [1.0, 0.0]
+    with pytest.raises(ValueError, match="window must be > 0 seconds, got 0"):
+        cpu_busy.windows([(1.0, 1.0)], 0)
 
 
 def test_a_missing_command_or_a_window_shorter_than_a_sample_is_refused(tmp_path: Path, capsys):
